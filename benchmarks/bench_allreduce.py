@@ -1,0 +1,69 @@
+"""Allreduce on CPU (gloo): the tutorial's gather-to-rank-0, the hand-written ring, and torch's builtin.
+
+    python benchmarks/bench_allreduce.py                 # 2 processes, 1e4 ... 1e7 floats
+    python benchmarks/bench_allreduce.py --procs 4 --repeats 20
+
+Each size is timed in interleaved rounds (tutorial, ring, builtin, tutorial, ...), so that a change in the
+machine's load hits all three alike; the figure is the median of the rounds. Prints one table row per size
+with milliseconds per call and the ratio to builtin, then one JSON line.
+"""
+
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import emit_result, init_process_group, launch, parse_args, run_main  # noqa: E402
+from multi_gpu import ALLREDUCE  # noqa: E402
+
+
+@dataclasses.dataclass
+class Args:
+    procs: int = 2
+    """number of processes"""
+    sizes: str = "1e4,1e5,1e6,1e7"
+    """comma-separated buffer sizes, in floats"""
+    repeats: int = 15
+    """timed rounds per size (after one warm-up round)"""
+
+
+def run_worker(info, args):
+    init_process_group(info, "gloo", 120)
+    rows = []
+    for size in [int(float(s)) for s in args.sizes.split(",")]:
+        buffer = torch.randn(size)
+        times = {name: [] for name in ALLREDUCE}
+        for round_ in range(args.repeats + 1):
+            for name, allreduce in ALLREDUCE.items():
+                dist.barrier()
+                started = time.perf_counter()
+                allreduce(buffer, info.rank, info.world_size)
+                elapsed = torch.tensor(time.perf_counter() - started)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a call ends when its slowest rank is done
+                if round_:
+                    times[name].append(elapsed.item())
+                buffer.div_(info.world_size)  # keep the values bounded over the rounds
+        medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
+        rows.append({"floats": size, **{f"{name}_ms": ms for name, ms in medians.items()},
+                     **{f"{name}_vs_builtin": ms / medians["builtin"] for name, ms in medians.items()}})
+        if info.rank == 0:
+            print(f"{size:>10,} floats | tutorial {medians['tutorial']:8.2f} ms ({rows[-1]['tutorial_vs_builtin']:.2f}x)"
+                  f" | ring {medians['ring']:8.2f} ms ({rows[-1]['ring_vs_builtin']:.2f}x)"
+                  f" | builtin {medians['builtin']:8.2f} ms", flush=True)
+    if info.rank == 0:
+        emit_result("bench_allreduce", procs=info.world_size, rows=rows)
+    dist.destroy_process_group()
+
+
+def main():
+    args = parse_args(Args)
+    launch(run_worker, args.procs, args)
+
+
+if __name__ == "__main__":
+    run_main(main)
