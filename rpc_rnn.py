@@ -489,7 +489,7 @@ def generate(args):
         model = RNNModel(**checkpoint["config"])
         model.load_state_dict(checkpoint["model"])
         words = checkpoint["vocab"]
-    except (OSError, RuntimeError, KeyError, TypeError, EOFError) as error:
+    except Exception as error:  # whatever is wrong with a file the user named is theirs to fix
         raise UsageError(f"cannot load checkpoint {args.load} ({str(error).splitlines()[0]}); pass a file "
                          f"written by --save") from None
     common.seed_everything(args.seed)
