@@ -1,0 +1,106 @@
+"""common.py: downloads are checked and atomic, data loads with the published checksums, flags parse."""
+
+import dataclasses
+import functools
+import http.server
+import threading
+from typing import Literal, Optional
+
+import pytest
+import torch
+
+import common
+from conftest import data_root
+
+FASHION = data_root() / "fashion-mnist" if data_root() else None
+WIKITEXT = data_root() / "wikitext-2" if data_root() else None
+needs_data = pytest.mark.skipif(FASHION is None, reason="needs ../shared/data or DATA_DIR")
+
+
+@pytest.fixture
+def serve():
+    """serve(folder) -> base URL of an HTTP server on loopback that serves that folder."""
+    servers = []
+
+    def start(folder):
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+        handler.log_message = lambda *args: None
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
+@needs_data
+def test_fashion_mnist_downloads_verifies_and_loads(serve, tmp_path):
+    target = tmp_path / "data"
+    folder = common.fashion_mnist_dir(target, mirrors=["http://127.0.0.1:9/", serve(FASHION)])  # first mirror is down
+    assert folder == target
+    assert sorted(p.name for p in target.iterdir()) == sorted(common.FASHION_MNIST_FILES)  # no temporary files left
+    train_x, train_y, test_x, test_y = common.load_fashion_mnist(folder)
+    assert train_x.shape == (60000, 28, 28) and train_x.dtype == torch.uint8
+    assert test_x.shape == (10000, 28, 28)
+    assert torch.bincount(train_y).tolist() == [6000] * 10 and torch.bincount(test_y).tolist() == [1000] * 10
+    assert abs(train_x.float().mean().item() / 255 - 0.2860) < 1e-3
+    # A second call finds the files and downloads nothing (the server is gone).
+    assert common.fashion_mnist_dir(target, mirrors=[]) == target
+
+
+@needs_data
+def test_a_download_with_the_wrong_checksum_is_refused_and_not_kept(serve, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in common.WIKITEXT2_FILES:
+        (bad / name).write_text("not wikitext\n")
+    target = tmp_path / "data"
+    with pytest.raises(common.UsageError, match="wrong checksum"):
+        common.wikitext2_dir(target, mirrors=[serve(bad)])
+    assert list(target.iterdir()) == []
+    assert common.wikitext2_dir(target, mirrors=[serve(WIKITEXT)]) == target
+    assert (target / "valid.txt").read_bytes() == (WIKITEXT / "valid.txt").read_bytes()
+
+
+def test_no_network_and_no_data_says_which_files_and_which_flag(tmp_path):
+    with pytest.raises(common.UsageError, match=r"put train.txt, valid.txt, test.txt in a folder and pass --data-dir"):
+        common.wikitext2_dir(tmp_path / "nothing", mirrors=["http://127.0.0.1:9/"])
+
+
+@needs_data
+def test_corrupt_file_is_detected_on_load(tmp_path):
+    for name in common.FASHION_MNIST_FILES:
+        (tmp_path / name).write_bytes((FASHION / name).read_bytes())
+    import gzip
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\0" * 10008))
+    with pytest.raises(common.UsageError, match="corrupt"):
+        common.load_fashion_mnist(tmp_path)
+
+
+@dataclasses.dataclass
+class Example:
+    count: int = 3
+    """how many"""
+    mode: Literal["a", "b"] = "a"
+    """which mode"""
+    fast: bool = True
+    """go fast"""
+    path: Optional[str] = None
+    """where to write"""
+
+
+def test_parse_args_from_a_dataclass(capsys):
+    assert common.parse_args(Example, []) == Example()
+    assert common.parse_args(Example, ["--count", "5", "--mode", "b", "--no-fast", "--path", "x"]) == \
+        Example(5, "b", False, "x")
+    with pytest.raises(SystemExit) as exit_info:
+        common.parse_args(Example, ["--count", "many"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--count: invalid int value: 'many'" in err
+    with pytest.raises(SystemExit):
+        common.parse_args(Example, ["--help"])
+    out = capsys.readouterr().out
+    assert "how many (default: 3)" in out and "--fast, --no-fast" in out and "{a,b}" in out
