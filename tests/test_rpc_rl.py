@@ -1,0 +1,122 @@
+"""rpc_rl.py: one RPC per step, batched forwards, reproducibility, save/load, failure behaviour."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import gymnasium as gym
+import psutil
+import torch
+
+from conftest import REPO, assert_usage_error, last_json, run_script
+
+import rpc_rl
+
+
+def start_script(*args):
+    return subprocess.Popen([sys.executable, str(REPO / "rpc_rl.py"), *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout=100):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    return last_json(out)
+
+
+def test_one_rpc_per_step_and_one_forward_per_step_when_batched(tmp_path):
+    # two observers, batched and --no-batch side by side (also shows that runs at once do not collide)
+    plot = tmp_path / "curve.png"
+    batched = start_script("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--plot", plot)
+    unbatched = start_script("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--no-batch")
+    batched, unbatched = finish(batched), finish(unbatched)
+    for result in (batched, unbatched):
+        assert result["episodes"] == 6 and result["observers"] == 2
+        assert all(len(rewards) == 2 and min(rewards) > 0 for rewards in result["episode_rewards"])
+        # CartPole pays 1 per step, so the rewards count the env steps the observers reported
+        assert result["env_steps"] == sum(map(sum, result["episode_rewards"]))
+        assert result["step_rpcs"] == result["env_steps"] and result["rpcs_per_step"] == 1.0
+    # batched: one forward per step of the episode, however many observers are still playing
+    assert batched["forwards"] == sum(map(max, batched["episode_rewards"]))
+    assert batched["forwards"] < batched["env_steps"]
+    assert unbatched["forwards"] == unbatched["env_steps"]
+    # each observer draws from its own generator on the agent: batching changes nothing in the outcome
+    assert batched["episode_rewards"] == unbatched["episode_rewards"]
+    # distinct environment seeds per observer
+    assert [a for a, _ in batched["episode_rewards"]] != [b for _, b in batched["episode_rewards"]]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def greedy_rewards(policy, seed, episodes):
+    env = gym.make(rpc_rl.ENV_ID)
+    rewards = []
+    for episode in range(episodes):
+        state, _ = env.reset(seed=rpc_rl.observer_seed(seed, 1, "eval") if episode == 0 else None)
+        total, done = 0.0, False
+        while not done:
+            with torch.no_grad():
+                action = policy(torch.from_numpy(state).float()[None]).argmax().item()
+            state, reward, terminated, truncated, _ = env.step(action)
+            total, done = total + reward, terminated or truncated
+        rewards.append(total)
+    return rewards
+
+
+def test_same_seed_same_rewards_it_learns_and_the_saved_policy_evaluates_the_same(tmp_path):
+    saved = tmp_path / "policy.pt"
+    runs = [start_script("--max-episodes", 40, "--seed", 2, "--save", saved, "--eval-episodes", 3),
+            start_script("--max-episodes", 40, "--seed", 2)]  # at the same time: no collision
+    trained, again = (finish(run) for run in runs)
+    assert trained["episode_rewards"] == again["episode_rewards"]
+    rewards = [reward for (reward,) in trained["episode_rewards"]]
+    assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
+
+    evaluated = finish(start_script("--load", saved, "--max-episodes", 0, "--eval-episodes", 3, "--seed", 2))
+    assert evaluated["episodes"] == 0 and evaluated["env_steps"] == 0
+    assert len(trained["eval_rewards"]) == 3
+    assert evaluated["eval_rewards"] == trained["eval_rewards"]
+    policy = rpc_rl.Policy()
+    policy.load_state_dict(torch.load(saved, weights_only=True))
+    # the distributed greedy evaluation equals a plain local one with the saved weights
+    assert greedy_rewards(policy, 2, 3) == trained["eval_rewards"]
+    torch.manual_seed(2)
+    assert not torch.equal(rpc_rl.Policy().affine1.weight, policy.affine1.weight)  # the file holds trained weights
+
+
+def test_bad_input_is_one_line(tmp_path):
+    assert_usage_error(run_script("rpc_rl.py", "--world-size", 1, timeout=60), "world size 1")
+    assert_usage_error(run_script("rpc_rl.py", "--load", tmp_path / "missing.pt", timeout=60), "--load")
+    if not torch.cuda.is_available():
+        assert_usage_error(run_script("rpc_rl.py", "--cuda", timeout=60), "--cuda")
+
+
+def test_killed_observer_ends_the_run_without_orphans():
+    proc = start_script("--world-size", 3, "--max-episodes", 5000, "--log-interval", 1)
+    try:
+        assert proc.stdout.readline().startswith("episode 1 |")  # training is under way
+        processes = psutil.Process(proc.pid).children(recursive=True)
+        # mp.spawn starts ranks 0, 1, 2 in order: the youngest worker is an observer
+        workers = sorted((p for p in processes if "--multiprocessing-fork" in p.cmdline()),
+                         key=lambda p: (p.create_time(), p.pid))
+        assert len(workers) == 3
+        killed_at = time.monotonic()
+        workers[-1].send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 60
+        assert proc.returncode != 0, err[-3000:]
+        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        deadline = time.monotonic() + 5
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
