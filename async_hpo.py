@@ -73,6 +73,8 @@ class Args:
     """number of trials running at the same time"""
     max_wallclock_time: float = 720.0
     """tuning budget in seconds; trials still running then are stopped"""
+    max_trials: Optional[int] = None
+    """also stop once this many trials have finished (completed, stopped early or failed)"""
     max_epochs: int = 10
     """epochs per trial (ASHA's maximum resource)"""
     seed: int = 0
@@ -97,7 +99,7 @@ class Args:
 METRIC = "validation_error"
 RESOURCE = "epoch"
 FIRST_CONFIG = {"learning_rate": 0.1, "batch_size": 128}  # the tutorial's initial configuration
-POLL_INTERVAL_S = 0.2  # how long the tuner sleeps when all workers are busy: the delay before a free worker is reused
+POLL_INTERVAL_S = 0.1  # how long the tuner sleeps when all workers are busy: the delay before a free worker is reused
 HOLDOUT_SIZE = 10_000
 TRIAL_FLAG = f"--{ST_CONFIG_JSON_FNAME_ARG}"  # Syne Tune starts each trial with this flag
 STARTED_AT_FILE = "started_at"
@@ -181,9 +183,9 @@ def validation_error(model, images, labels, batch_size=2000):
 
 def run_trial(config, trial_dir):
     """Train LeNet with config's learning rate and batch size; report validation_error after every epoch."""
+    die_with_tuner(config["tuner_pid"])
     # This trial's own start time, next to the `end` stamp Syne Tune writes: the start of its busy interval
     (trial_dir / STARTED_AT_FILE).write_text(repr(process_start_time()))
-    die_with_tuner(config["tuner_pid"])
     torch.set_num_threads(config["threads"])
     seed_everything(config["seed"])
     # With several GPUs, Syne Tune's backend has set CUDA_VISIBLE_DEVICES to this trial's GPU, so "cuda" is it
@@ -227,7 +229,8 @@ class SearchFailed(Exception):
 
 
 def make_scheduler(args, config_space):
-    first = [FIRST_CONFIG] if all(name in config_space for name in FIRST_CONFIG) else None
+    np.random.seed(args.seed)  # random search and ASHA draw configurations from numpy's global generator
+    first = [FIRST_CONFIG]
     if args.scheduler == "random":
         return RandomSearch(config_space, metrics=[METRIC], do_minimize=True, random_seed=args.seed,
                             points_to_evaluate=first)
@@ -316,14 +319,15 @@ class Search:
 
 def run_search(args, entry_point, config_space, out=sys.stdout):
     """Run Syne Tune's tuning loop here; every trial is `python entry_point` in a child process."""
-    np.random.seed(args.seed)  # random search and ASHA draw configurations from numpy's global generator
     results_dir = Path(args.results_dir).resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
     os.environ["SYNETUNE_FOLDER"] = str(results_dir)  # Syne Tune's way to say where experiments are written
     tuner = Tuner(
         trial_backend=TrialProcesses(entry_point=str(entry_point), pass_args_as_json=True, rotate_gpus=args.cuda),
         scheduler=make_scheduler(args, config_space),
-        stop_criterion=StoppingCriterion(max_wallclock_time=args.max_wallclock_time),
+        # Syne Tune stops when *more than* max_num_trials_finished trials have finished
+        stop_criterion=StoppingCriterion(max_wallclock_time=args.max_wallclock_time,
+                                         max_num_trials_finished=args.max_trials - 1 if args.max_trials else None),
         n_workers=args.n_workers,
         sleep_time=POLL_INTERVAL_S,
         max_failures=args.max_failures,
@@ -472,6 +476,7 @@ def main():
     args = parse_args(Args)
     check(args.n_workers >= 1, f"--n-workers must be at least 1, got {args.n_workers}")
     check(args.max_wallclock_time > 0, f"--max-wallclock-time must be positive, got {args.max_wallclock_time}")
+    check(args.max_trials is None or args.max_trials >= 1, f"--max-trials must be at least 1, got {args.max_trials}")
     check(args.max_epochs >= 1, f"--max-epochs must be at least 1, got {args.max_epochs}")
     check(args.limit_train is None or args.limit_train >= 1, f"--limit-train must be at least 1")
     check(args.max_failures >= 0, f"--max-failures must be 0 or more, got {args.max_failures}")
@@ -493,7 +498,7 @@ def main():
         "train_size": args.limit_train or train_size,
         "holdout": args.holdout,
         "activation": args.activation,
-        "data_folder": str(folder),
+        "data_folder": str(Path(folder).resolve()),
         "seed": args.seed,
         "threads": max(1, usable_cpus() // args.n_workers),
         "device": "cuda" if args.cuda else "cpu",
