@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import optim
 from torch.distributed import rpc
 from torch.distributed.optim import DistributedOptimizer
+from torch.nn.utils import skip_init
 
 import common
 from common import UsageError, check
@@ -97,8 +98,9 @@ class Args:
     """run --max-batches (default 2) batches both distributed and in one process and report the differences"""
     cuda: bool = False
     """embedding and decoder on the ps's GPU, LSTM on the trainer's; RPC device maps move the tensors"""
-    rpc_timeout: float = 20.0
-    """seconds before an RPC to a dead or stuck peer fails (the run then ends with an error)"""
+    rpc_timeout: float = 60.0
+    """seconds before an RPC to a stuck peer fails and ends the run (a dead peer is noticed at once); one decoder
+    call on the full 33k-word vocabulary was seen to take 21 s on a 2-core machine under heavy load"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -152,22 +154,26 @@ def detach_hidden(hidden):
 # Model: three pieces, put together in one process (RNNModel) or over RPC (DistributedRNNModel)
 # ---------------------------------------------------------------------------------------------------------
 
-def seeded(seed, module_class, *args, **kwargs):
-    """Build a module from a seed of its own, so the ps, the trainer and a one-process model that use the
-    same seed hold exactly the same initial weights, whatever process builds which piece."""
+def make_lstm(ninp, nhid, nlayers, dropout, seed):
+    """The LSTM, initialised from a seed of its own, so that the trainer and a one-process model built with the
+    same seed hold the same weights. Only ever built by one thread at a time (the trainer's main thread), which
+    makes the save/restore of the global RNG below safe."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return module_class(*args, **kwargs)
+        return nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
 
 
 class EmbeddingTable(nn.Module):
     """Token ids -> dropped-out embeddings. Lives on the ps (distributed) or inside RNNModel (one process)."""
 
-    def __init__(self, ntoken, ninp, dropout):
+    def __init__(self, ntoken, ninp, dropout, seed):
         super().__init__()
         self.drop = nn.Dropout(dropout)
-        self.encoder = nn.Embedding(ntoken, ninp)
-        nn.init.uniform_(self.encoder.weight, -0.1, 0.1)
+        # The ps builds the embedding and the decoder at the same time, in two RPC threads: drawn from the global
+        # RNG, their weights would depend on how the threads interleave. A generator of their own, and no
+        # default init (skip_init), keep them reproducible and leave the global RNG to dropout.
+        self.encoder = skip_init(nn.Embedding, ntoken, ninp)
+        self.encoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
 
     def forward(self, input):
         return self.drop(self.encoder(input))
@@ -176,12 +182,12 @@ class EmbeddingTable(nn.Module):
 class Decoder(nn.Module):
     """LSTM output -> logits over the vocabulary, or straight to the loss. Lives on the ps or in RNNModel."""
 
-    def __init__(self, ntoken, nhid, dropout):
+    def __init__(self, ntoken, nhid, dropout, seed):
         super().__init__()
         self.drop = nn.Dropout(dropout)
-        self.decoder = nn.Linear(nhid, ntoken)
-        nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
-        nn.init.zeros_(self.decoder.bias)
+        self.decoder = skip_init(nn.Linear, nhid, ntoken)  # see EmbeddingTable
+        self.decoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
+        self.decoder.bias.data.zero_()
 
     def forward(self, output):
         return self.decoder(self.drop(output))
@@ -191,19 +197,15 @@ class Decoder(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def make_lstm(ninp, nhid, nlayers, dropout):
-    return nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
-
-
 class RNNModel(nn.Module):
     """The whole model in one process: what a checkpoint loads into, what --generate and --check-gradients use.
     Piece i is built from seed + i, like the distributed model's pieces, so both start from the same weights."""
 
     def __init__(self, ntoken, ninp, nhid, nlayers, dropout, seed=0):
         super().__init__()
-        self.embedding = seeded(seed, EmbeddingTable, ntoken, ninp, dropout)
-        self.rnn = seeded(seed + 1, make_lstm, ninp, nhid, nlayers, dropout)
-        self.decoder = seeded(seed + 2, Decoder, ntoken, nhid, dropout)
+        self.embedding = EmbeddingTable(ntoken, ninp, dropout, seed)
+        self.rnn = make_lstm(ninp, nhid, nlayers, dropout, seed + 1)
+        self.decoder = Decoder(ntoken, nhid, dropout, seed + 2)
 
     def forward(self, input, hidden):
         output, hidden = self.rnn(self.embedding(input), hidden)
@@ -220,8 +222,8 @@ class RNNModel(nn.Module):
 
 # Functions the trainer runs on the ps by RPC. Each receives an RRef that the ps owns.
 
-def build_on_owner(seed, module_class, device, *args):
-    return seeded(seed, module_class, *args).to(device)
+def build_on_owner(module_class, device, *args):
+    return module_class(*args).to(device)
 
 
 def call_on_owner(module_rref, method, grad_enabled, *args):
@@ -288,10 +290,10 @@ class DistributedRNNModel(nn.Module):
         super().__init__()
         self.ship_logits = ship_logits
         self.embedding_rref = rpc.remote(PS_NAME, build_on_owner,
-                                         args=(seed, EmbeddingTable, ps_device, ntoken, ninp, dropout))
-        self.rnn = seeded(seed + 1, make_lstm, ninp, nhid, nlayers, dropout).to(device)
+                                         args=(EmbeddingTable, ps_device, ntoken, ninp, dropout, seed))
+        self.rnn = make_lstm(ninp, nhid, nlayers, dropout, seed + 1).to(device)
         self.decoder_rref = rpc.remote(PS_NAME, build_on_owner,
-                                       args=(seed + 2, Decoder, ps_device, ntoken, nhid, dropout))
+                                       args=(Decoder, ps_device, ntoken, nhid, dropout, seed + 2))
         self.remote_pieces = {"embedding": self.embedding_rref, "decoder": self.decoder_rref}
 
     def loss(self, input, targets, hidden):
@@ -385,7 +387,7 @@ def check_gradients(args, corpus, model, owners, device):
     hidden, local_hidden = model.init_hidden(args.batch_size, device), local.init_hidden(args.batch_size)
     worst = {"loss_diff": 0.0, "max_grad_diff": 0.0, "max_param_diff": 0.0}
     norms = []
-    for batch in range(args.max_batches or 2):
+    for batch in range(min(args.max_batches or 2, math.ceil((train_data.size(0) - 1) / args.bptt))):
         input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
         hidden, local_hidden = detach_hidden(hidden), detach_hidden(local_hidden)
         with dist_autograd.context() as context_id:
@@ -470,7 +472,7 @@ def run_trainer(args, corpus, device, ps_device):
     window = max(1, min(10, len(losses) // 4))
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=ntoken,
                        batches=len(losses), first_loss=sum(losses[:window]) / window,
-                       last_loss=sum(losses[-window:]) / window, losses=[round(x, 6) for x in losses[:1000]],
+                       last_loss=sum(losses[-window:]) / window, losses=[round(x, 6) for x in losses[:200]],
                        valid_loss=best_valid, valid_ppl=math.exp(min(best_valid, 50)), test_loss=test_loss,
                        test_ppl=math.exp(min(test_loss, 50)), lr=lr,
                        tokens_per_s=train_tokens / train_seconds if train_seconds else 0.0)
