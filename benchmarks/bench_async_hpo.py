@@ -9,10 +9,10 @@ workers, the three interleaved, --repeats times; the figures are means over the 
 per minute give the 2-worker speedup (target >= 1.7x); busy trial time / (workers x wall time), from the
 trials' own timestamps, gives the utilisation (target async >= 90%).
 
-    python benchmarks/bench_async_hpo.py                           # 2 x 3 x 90 s, ~10 min
+    python benchmarks/bench_async_hpo.py                           # 2 x 3 x 60 s, ~7 min
     python benchmarks/bench_async_hpo.py --budget 30 --repeats 1   # a quick look
 
-On a shared 2-core CPU machine (`--budget 60`, 2 repeats) it ended with:
+On a shared 2-core CPU machine it ended with:
 
     mean of 2: trials/min 8.5 (1 worker) vs 16.0 (2 workers) = 1.88x speedup (target >= 1.7x) | utilisation async 97.4% vs sync 75.4% (target async >= 90%)
 
@@ -67,7 +67,7 @@ def main():
         sleeping_trial(sys.argv[1:])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=float, default=90.0, help="seconds per search (default: %(default)s)")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds per search (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each variant (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the configuration sampling")
     options = parser.parse_args()
