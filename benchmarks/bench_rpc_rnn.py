@@ -9,6 +9,7 @@ rather than a minute per configuration: the vocabulary is that of the first --li
 train.txt. Target: loss-on-ps >= 0.5x local tokens/s.
 
     python benchmarks/bench_rpc_rnn.py --data-dir ../shared/data
+Each round measures the three one after the other; the best of --repeats rounds is reported.
 Last line: one JSON object with the three figures and the two ratios.
 """
 
@@ -82,16 +83,24 @@ def main():
     parser.add_argument("--batch-size", type=int, default=20)
     parser.add_argument("--bptt", type=int, default=35)
     parser.add_argument("--seed", type=int, default=1111)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="rounds of the three measurements, interleaved; the best of each is reported, the one "
+                             "least disturbed by other work on the machine")
     args = parser.parse_args()
     source = common.wikitext2_dir(args.data_dir)
     with tempfile.TemporaryDirectory(prefix="bench-rpc-rnn-") as tmp:
         folder = Path(tmp)
         write_slice(source, folder, args.lines)
-        local, ntoken = local_tokens_per_s(folder, args)
-        loss_on_ps = distributed_tokens_per_s(folder, args)
-        ship_logits = distributed_tokens_per_s(folder, args, "--ship-logits")
+        rounds = []
+        for _ in range(args.repeats):
+            local, ntoken = local_tokens_per_s(folder, args)
+            rounds.append((local, distributed_tokens_per_s(folder, args),
+                           distributed_tokens_per_s(folder, args, "--ship-logits")))
+            print("round: local {:.0f} | loss on ps {:.0f} | ship logits {:.0f} tokens/s".format(*rounds[-1]),
+                  flush=True)
+        local, loss_on_ps, ship_logits = (max(column) for column in zip(*rounds))
     print(f"vocab {ntoken} | emsize {args.emsize} | nhid {args.nhid} | batch {args.batch_size} x bptt {args.bptt} | "
-          f"{args.batches} batches | {common.usable_cpus()} CPUs")
+          f"{args.batches} batches | best of {args.repeats} rounds | {common.usable_cpus()} CPUs")
     print(f"local (1 process)         {local:9.0f} tokens/s")
     print(f"loss on ps (2 processes)  {loss_on_ps:9.0f} tokens/s | {loss_on_ps / local:.2f}x local")
     print(f"ship logits (tutorial)    {ship_logits:9.0f} tokens/s | {ship_logits / local:.2f}x local | "
