@@ -28,6 +28,7 @@ import tempfile
 import textwrap
 import typing
 import urllib.request
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -184,6 +185,8 @@ def init_process_group(info, backend, timeout_s=60.0, device_id=None):
 def init_rpc(info, name, timeout_s=20.0, device_maps=None, devices=None):
     """Join the RPC group as `name`; an RPC whose peer is gone fails after timeout_s instead of hanging."""
     from torch.distributed import rpc
+    # torch's own RPC set-up and shutdown call a deprecated process-group API; nothing for a user to act on.
+    warnings.filterwarnings("ignore", message="You are using a Backend")
     options = rpc.TensorPipeRpcBackendOptions(init_method=info.store_url("rpc"), rpc_timeout=timeout_s,
                                               device_maps=device_maps, devices=devices)
     rpc.init_rpc(name, rank=info.rank, world_size=info.world_size, rpc_backend_options=options)

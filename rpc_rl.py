@@ -30,7 +30,6 @@ about 5 minutes on a 2-core CPU shared with other jobs):
 import os
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -365,8 +364,6 @@ def run_agent(args, world_size, device):
 def run_worker(info, args):
     # The policy is tiny: extra intra-op threads only add synchronisation to every step.
     torch.set_num_threads(1)
-    # init_rpc's internal all_gather trips a deprecation warning inside torch itself; nothing to act on here
-    warnings.filterwarnings("ignore", message="You are using a Backend")
     if info.rank == 0:
         device = pick_device(args.cuda)
         init_rpc(info, AGENT_NAME, timeout_s=args.rpc_timeout)
