@@ -15,18 +15,26 @@ the same epoch). This file is both the tuner and the trial script: Syne Tune sta
     python async_hpo.py --scheduler asha --n-workers 4    # stop bad trials early
     python async_hpo.py --sync                            # synchronous baseline, same budget
     python async_hpo.py --cuda                            # one GPU per trial when there are several
-    python async_hpo.py --max-wallclock-time 60 --max-epochs 2 --limit-train 5000   # a one-minute look
+    python async_hpo.py --max-trials 6 --max-epochs 2 --limit-train 5000 --activation relu   # a quick look
 
 Each run writes runs/async_hpo/<experiment>/ (--results-dir): Syne Tune's metadata.json and results.csv.zip
 (read them with `syne_tune.experiments.load_experiment(experiment, local_path="runs/async_hpo")`), one
 folder per trial with its std.out / std.err, tuner.log (Syne Tune's own messages), incumbent.png and
-learning_curves.png. The default run (12 min, 2 workers on 2 CPU cores, ~12 trials) ends like:
+learning_curves.png. The default run (`--data-dir ../shared/data`, 2 workers on a 2-core CPU machine shared
+with other work, 12 min 5 s) ended with:
 
-    trial 11 started | lr 0.1888 | batch 187
-    ...
-    trial | status    | learning_rate | batch_size | epochs | val err | busy s
-       ...
-    {"script": "async_hpo", "scheduler": "random", "best_validation_error": 0.14, ..., "utilisation": 0.97}
+    trial 7 completed | epoch 10 | val err 0.2383 | best 0.1378
+    trial 9 started | lr 0.06103 | batch 57
+    trial | status    | learning_rate | batch_size | epochs | val err | best err | busy s
+        0 | completed |        0.1000 |        128 |     10 |  0.2622 |   0.2622 |  199.4
+      ...
+        6 | completed |        0.8459 |         90 |     10 |  0.1378 |   0.1378 |  169.0
+        7 | completed |        0.0902 |         71 |     10 |  0.2383 |   0.2383 |  171.0
+        8 | cut off   |        0.1142 |        120 |      5 |  0.3127 |   0.3127 |   44.2
+        9 | cut off   |        0.0610 |         57 |      3 |  0.4188 |   0.4188 |   31.7
+    {"script": "async_hpo", "scheduler": "random", "sync": false, "n_workers": 2, "best_config": {"learning_rate":
+     0.8459, "batch_size": 90}, "best_validation_error": 0.1378, "best_trial": 6, "trials_started": 10,
+     "trials_finished": 8, ..., "utilisation": 0.9907, "wall_time_s": 720.1, ...}
 """
 
 import argparse
