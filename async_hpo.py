@@ -66,8 +66,8 @@ from syne_tune.tuner_callback import TunerCallback
 from syne_tune.tuner_logger import TunerLogger
 from syne_tune.utils import add_config_json_to_argparse, load_config_json
 
-from common import (UsageError, check, cuda_device_count, emit_result, fashion_mnist_dir, load_fashion_mnist,
-                    parse_args, run_main, seed_everything, usable_cpus)
+from common import (UsageError, check, cuda_device_count, die_with_parent, emit_result, fashion_mnist_dir,
+                    load_fashion_mnist, parse_args, run_main, seed_everything, usable_cpus)
 
 
 @dataclasses.dataclass
@@ -153,16 +153,6 @@ def process_start_time():
         return time.time()
 
 
-def die_with_tuner(tuner_pid):
-    """A trial must not outlive its tuner: if the tuner is killed outright (SIGKILL, OOM), so is this trial."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != tuner_pid:  # the tuner died before the line above took effect
-        raise SystemExit("the tuner that started this trial is gone")
-
-
 def load_split(folder, holdout, train_size, seed):
     """(train images, train labels, validation images, validation labels), images uint8 [N, 28, 28].
 
@@ -191,7 +181,7 @@ def validation_error(model, images, labels, batch_size=2000):
 
 def run_trial(config, trial_dir):
     """Train LeNet with config's learning rate and batch size; report validation_error after every epoch."""
-    die_with_tuner(config["tuner_pid"])
+    die_with_parent(config["tuner_pid"])
     # This trial's own start time, next to the `end` stamp Syne Tune writes: the start of its busy interval
     (trial_dir / STARTED_AT_FILE).write_text(repr(process_start_time()))
     torch.set_num_threads(config["threads"])
@@ -486,7 +476,7 @@ def main():
     check(args.max_wallclock_time > 0, f"--max-wallclock-time must be positive, got {args.max_wallclock_time}")
     check(args.max_trials is None or args.max_trials >= 1, f"--max-trials must be at least 1, got {args.max_trials}")
     check(args.max_epochs >= 1, f"--max-epochs must be at least 1, got {args.max_epochs}")
-    check(args.limit_train is None or args.limit_train >= 1, f"--limit-train must be at least 1")
+    check(args.limit_train is None or args.limit_train >= 1, "--limit-train must be at least 1")
     check(args.max_failures >= 0, f"--max-failures must be 0 or more, got {args.max_failures}")
     check(not args.cuda or cuda_device_count() > 0, "--cuda: no CUDA device on this machine; run without --cuda")
     script = Path(__file__).resolve()

@@ -132,16 +132,19 @@ def _loopback_interface():
     return next((name for name in names if name.startswith("lo")), None)
 
 
-def _die_with_parent():
-    # If the launching process is killed (SIGKILL, OOM), its children must not live on as orphans.
+def die_with_parent(parent_pid):
+    """Call first thing in a child process: if its parent (pid parent_pid) is killed outright (SIGKILL, OOM),
+    the child is killed too instead of living on as an orphan (Linux; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
         import ctypes
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        raise SystemExit("the process that started this one is gone")
 
 
-def _spawned_worker(local_rank, worker, world_size, init_method, args):
-    _die_with_parent()
+def _spawned_worker(local_rank, worker, world_size, init_method, launcher_pid, args):
+    die_with_parent(launcher_pid)
     torch.set_num_threads(max(1, usable_cpus() // world_size))
     info = DistInfo(local_rank, world_size, local_rank, world_size, init_method)
     worker(info, *args)
@@ -163,7 +166,7 @@ def launch(worker, world_size, *args):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     rendezvous_dir = tempfile.mkdtemp(prefix="rendezvous-")
     try:
-        mp.spawn(_spawned_worker, args=(worker, world_size, f"file://{rendezvous_dir}/store", args),
+        mp.spawn(_spawned_worker, args=(worker, world_size, f"file://{rendezvous_dir}/store", os.getpid(), args),
                  nprocs=world_size, join=True)
     except mp.ProcessRaisedException as error:
         # The child's traceback is part of the message; spawn has already terminated the other processes.

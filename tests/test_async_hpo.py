@@ -126,7 +126,8 @@ def test_sync_bo_starts_a_batch_only_after_the_previous_one_finished(tmp_path, d
     assert code == 0, err
     result = last_json(out)
     assert result["sync"] is True and result["scheduler"] == "bo"
-    assert result["trials_completed"] >= 3 and result["trials_started"] == 4, result
+    # whole batches of 2; the stop is checked after the tuner's scheduling step, so a third batch may have begun
+    assert result["trials_completed"] >= 3 and result["trials_started"] in (4, 6), result
     assert result["best_validation_error"] < 0.9
     trial_dir = Path(result["results_dir"]) / result["experiment"]
     results = experiment_results(result)

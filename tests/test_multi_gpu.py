@@ -223,7 +223,8 @@ def test_worker_raising_ends_the_run(tmp_path):
         proc.wait(timeout=60)
         assert proc.returncode == 1
         stderr = proc.stderr.read()
-        assert "Traceback" in stderr and f"File exists: '{checkpoint_dir}'" in stderr  # rank 0's error is shown
+        # rank 0's error is shown (FileExistsError or NotADirectoryError, depending on where the save was)
+        assert "Traceback" in stderr and f"'{checkpoint_dir}" in stderr, stderr
         time.sleep(1)
         assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     finally:
