@@ -128,11 +128,12 @@ def tutorial_allreduce(flat, rank, world_size):
         dist.recv(flat, 0)
 
 
-def ring_allreduce(flat, rank, world_size):
+def ring_allreduce(flat, rank, world_size, segments=4):
     """Bandwidth-optimal ring allreduce. The buffer is cut into k chunks. Reduce-scatter: in k-1 steps every
     rank passes one chunk to its right neighbour and adds the chunk arriving from its left, after which rank r
     holds the full sum of chunk r+1. All-gather: k-1 more steps pass the summed chunks around the ring.
-    Each rank sends and receives 2(k-1)/k of the buffer, whatever k is."""
+    Each rank sends and receives 2(k-1)/k of the buffer, whatever k is. Each chunk travels in a few segments,
+    so that adding one segment overlaps with receiving the next."""
     if world_size == 1:
         return
     chunks = list(flat.tensor_split(world_size))
@@ -141,19 +142,25 @@ def ring_allreduce(flat, rank, world_size):
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
         buffer = incoming[:chunks[receive].numel()]
-        exchange(chunks[send], right, buffer, left)
-        chunks[receive] += buffer
+        sends, receives = exchange(chunks[send].tensor_split(segments), right, buffer.tensor_split(segments), left)
+        for request, total, part in zip(receives, chunks[receive].tensor_split(segments),
+                                        buffer.tensor_split(segments)):
+            request.wait()
+            total += part
+        for request in sends:
+            request.wait()
     for step in range(world_size - 1):
         send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
-        exchange(chunks[send], right, chunks[receive], left)
+        for request in sum(exchange([chunks[send]], right, [chunks[receive]], left), []):
+            request.wait()
 
 
 def exchange(outgoing, destination, incoming, source):
-    # Posted together so that NCCL, whose point-to-point calls would otherwise block each other, also works.
-    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, destination),
-                                       dist.P2POp(dist.irecv, incoming, source)])
-    for request in requests:
-        request.wait()
+    """Post the sends of `outgoing` and the receives into `incoming` together (NCCL's point-to-point calls
+    would otherwise block each other); returns (send requests, receive requests) in the order given."""
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, part, destination) for part in outgoing] +
+                                      [dist.P2POp(dist.irecv, part, source) for part in incoming])
+    return requests[:len(outgoing)], requests[len(outgoing):]
 
 
 def builtin_allreduce(flat, rank, world_size):

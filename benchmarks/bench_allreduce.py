@@ -4,7 +4,8 @@
     python benchmarks/bench_allreduce.py --procs 4 --repeats 20
 
 Each size is timed in interleaved rounds (tutorial, ring, builtin, tutorial, ...), so that a change in the
-machine's load hits all three alike; the figure is the median of the rounds. Prints one table row per size
+machine's load hits all three alike; a round times enough back-to-back calls (3e6 floats' worth) that the
+processes' skew when leaving the barrier does not count; the figure is the median of the rounds. Prints one table row per size
 with milliseconds per call and the ratio to builtin, then one JSON line.
 """
 
@@ -28,7 +29,7 @@ class Args:
     """number of processes"""
     sizes: str = "1e4,1e5,1e6,1e7"
     """comma-separated buffer sizes, in floats"""
-    repeats: int = 15
+    repeats: int = 20
     """timed rounds per size (after one warm-up round)"""
 
 
@@ -38,16 +39,18 @@ def run_worker(info, args):
     for size in [int(float(s)) for s in args.sizes.split(",")]:
         buffer = torch.randn(size)
         times = {name: [] for name in ALLREDUCE}
+        calls = max(1, int(3e6 // size))  # back-to-back calls per timing: the barrier's skew is amortised
         for round_ in range(args.repeats + 1):
             for name, allreduce in ALLREDUCE.items():
                 dist.barrier()
                 started = time.perf_counter()
-                allreduce(buffer, info.rank, info.world_size)
-                elapsed = torch.tensor(time.perf_counter() - started)
+                for _ in range(calls):
+                    allreduce(buffer, info.rank, info.world_size)
+                    buffer.div_(info.world_size)  # keep the values bounded
+                elapsed = torch.tensor((time.perf_counter() - started) / calls)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a call ends when its slowest rank is done
                 if round_:
                     times[name].append(elapsed.item())
-                buffer.div_(info.world_size)  # keep the values bounded over the rounds
         medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
         rows.append({"floats": size, **{f"{name}_ms": ms for name, ms in medians.items()},
                      **{f"{name}_vs_builtin": ms / medians["builtin"] for name, ms in medians.items()}})
