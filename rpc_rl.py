@@ -24,7 +24,7 @@ Last lines of `python rpc_rl.py` (seed 1, a slow seed: 1465 episodes; seeds 2-5 
 about 5 minutes on a 2-core CPU shared with other jobs):
     episode 1450 | last reward 500 | running reward 460.1 | 1058 steps/s
     solved: running reward 475.2 > 475 after 1465 episodes
-    {"script": "rpc_rl.py", "solved": true, "episodes": 1465, "env_steps": 268536, "wall_time_s": 282.569, ...}
+    {"script": "rpc_rl", "solved": true, "episodes": 1465, "env_steps": 268536, "wall_time_s": 282.569, ...}
 """
 
 import os
@@ -352,7 +352,7 @@ def run_agent(args, world_size, device):
     if args.plot:
         plot_learning_curve(args.plot, [min(rewards) for rewards in episode_rewards], running_rewards,
                             agent.reward_threshold)
-    emit_result("rpc_rl.py", solved=solved, episodes=len(episode_rewards), env_steps=env_steps,
+    emit_result("rpc_rl", solved=solved, episodes=len(episode_rewards), env_steps=env_steps,
                 wall_time_s=round(wall_time, 3), steps_per_s=round(env_steps / max(wall_time, 1e-9), 1),
                 running_reward=round(agent.running_reward, 3), observers=world_size - 1, batch=args.batch,
                 step_rpcs=step_rpcs, rpcs_per_step=step_rpcs / max(env_steps, 1), forwards=forwards,

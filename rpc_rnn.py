@@ -28,7 +28,7 @@ with the 33k-word decoder):
     epoch 1 | batch 200/200 | lr 20.00 | 560.5 ms/batch | loss 7.66 | ppl 2123.5 | 1.2k tokens/s
     epoch 1 | valid loss 7.04 | valid ppl 1143.5 | 112.1 s/epoch
     test loss 6.97 | test ppl 1065.6
-    {"script": "rpc_rnn.py", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": 9.83, ...}
+    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": 9.83, ...}
 """
 
 import math
@@ -52,7 +52,7 @@ from common import UsageError, check
 
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
-SCRIPT = "rpc_rnn.py"
+SCRIPT = "rpc_rnn"
 
 
 @dataclass

@@ -105,7 +105,7 @@ def main():
     print(f"loss on ps (2 processes)  {loss_on_ps:9.0f} tokens/s | {loss_on_ps / local:.2f}x local")
     print(f"ship logits (tutorial)    {ship_logits:9.0f} tokens/s | {ship_logits / local:.2f}x local | "
           f"loss on ps is {loss_on_ps / ship_logits:.2f}x ship logits")
-    common.emit_result("bench_rpc_rnn.py", vocab=ntoken, local_tokens_per_s=local, loss_on_ps_tokens_per_s=loss_on_ps,
+    common.emit_result("bench_rpc_rnn", vocab=ntoken, local_tokens_per_s=local, loss_on_ps_tokens_per_s=loss_on_ps,
                        ship_logits_tokens_per_s=ship_logits, loss_on_ps_vs_local=loss_on_ps / local,
                        loss_on_ps_vs_ship_logits=loss_on_ps / ship_logits)
 
