@@ -511,6 +511,9 @@ def generate(args):
 
 
 def run_worker(info, args, corpus):
+    # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
+    # the same time: each may use every core of the machine while the other waits.
+    torch.set_num_threads(common.usable_cpus())
     common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
     ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     if info.rank == 0:
