@@ -15,10 +15,12 @@ and `ddp` (DistributedDataParallel). Test accuracy is computed by all processes,
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 2 --master_addr $MASTER_ADDR \
         --master_port 29400 multi_gpu.py --gpus 2
 
-A CPU run (`--gpus 0 --procs 2`, 10 epochs, ~2 min on 2 cores) ends like:
+A CPU run (`--gpus 0 --procs 2 --data-dir ../shared/data`, the tutorial's recipe, 10 epochs) took 3 min on
+a 2-core machine and ended with (the tutorial reports test acc 0.84 after 10 epochs):
 
-    epoch 10 | loss 0.382 | train acc 0.859 | test acc 0.852 | 11.9 s/epoch | 5.0k samples/s
-    {"script": "multi_gpu", "allreduce": "ring", "world_size": 2, "test_acc": 0.852, ...}
+    epoch 10 | loss 0.403 | train acc 0.849 | test acc 0.836 | 14.80 s/epoch | 4.1k samples/s
+    {"script": "multi_gpu", "allreduce": "ring", "world_size": 2, "device": "cpu", "epochs": 10, "loss": 0.403,
+     "train_acc": 0.849, "test_acc": 0.8357, "s_per_epoch": 15.64, "samples_per_s": 3836.2, "history": [...]}
 """
 
 import dataclasses
