@@ -123,6 +123,17 @@ def launched_by_torchrun():
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def process_count(spawned):
+    """The number of processes of this run: torchrun's WORLD_SIZE under torchrun, else `spawned`."""
+    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else spawned
+
+
+def check_output_file(flag, path):
+    """A file the run will write (a plot, a checkpoint) must have an existing folder: say so before training."""
+    folder = Path(path).resolve().parent
+    check(folder.is_dir(), f"{flag} {path}: folder {folder} does not exist; create it first")
+
+
 def usable_cpus():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

@@ -25,7 +25,6 @@ a 2-core machine and ended with (the tutorial reports test acc 0.84 after 10 epo
 
 import dataclasses
 import math
-import os
 import time
 from pathlib import Path
 from typing import Literal, Optional
@@ -36,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from common import (check, cuda_device_count, emit_result, fashion_mnist_dir, init_process_group, launch,
-                    launched_by_torchrun, load_fashion_mnist, parse_args, pick_device, run_main, save_atomic)
+from common import (check, check_output_file, cuda_device_count, emit_result, fashion_mnist_dir, init_process_group,
+                    launch, load_fashion_mnist, parse_args, pick_device, process_count, run_main, save_atomic)
 
 
 @dataclasses.dataclass
@@ -335,7 +334,7 @@ def main():
     check(args.limit_train is None or args.limit_train > 0, f"--limit-train must be positive, not {args.limit_train}")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     if args.plot:
-        check(Path(args.plot).parent.is_dir(), f"--plot {args.plot}: folder does not exist; create it first")
+        check_output_file("--plot", args.plot)
     if args.checkpoint_dir:
         checkpoint_dir = Path(args.checkpoint_dir)
         check(not checkpoint_dir.exists() or checkpoint_dir.is_dir(),
@@ -346,11 +345,11 @@ def main():
             saved = torch.load(checkpoint, weights_only=True)["recipe"]
             check(saved == recipe(args), f"{checkpoint} was written with {saved}, not {recipe(args)}; "
                                          f"pass the same flags or another --checkpoint-dir")
-    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else (args.gpus or args.procs)
-    check(args.batch_size >= world_size,
-          f"--batch-size {args.batch_size} is smaller than the {world_size} processes; every process needs a shard")
+    processes = process_count(args.gpus or args.procs)
+    check(args.batch_size >= processes,
+          f"--batch-size {args.batch_size} is smaller than the {processes} processes; every process needs a shard")
     data_folder = fashion_mnist_dir(args.data_dir)  # download (once) before the workers start
-    launch(run_worker, world_size, args, data_folder)
+    launch(run_worker, processes, args, data_folder)
 
 
 if __name__ == "__main__":

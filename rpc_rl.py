@@ -42,8 +42,8 @@ from torch.distributed import rpc
 from torch.distributed.rpc import RRef
 from torch.distributions import Categorical
 
-from common import (UsageError, check, cuda_device_count, emit_result, init_rpc, launch, launched_by_torchrun,
-                    parse_args, pick_device, run_main, save_atomic, seed_everything)
+from common import (UsageError, check, check_output_file, cuda_device_count, emit_result, init_rpc, launch,
+                    parse_args, pick_device, process_count, run_main, save_atomic, seed_everything)
 
 AGENT_NAME = "agent"
 OBSERVER_NAME = "observer{}"
@@ -376,8 +376,8 @@ def run_worker(info, args):
 
 def main():
     args = parse_args(Args)
-    world_size = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
-    check(world_size >= 2, f"world size {world_size}: need at least 2 processes (one agent, one observer)")
+    processes = process_count(args.world_size)
+    check(processes >= 2, f"world size {processes}: need at least 2 processes (one agent, one observer)")
     check(args.max_episodes >= 0, "--max-episodes must be >= 0")
     check(args.eval_episodes >= 0, "--eval-episodes must be >= 0")
     check(args.max_episodes > 0 or args.eval_episodes > 0, "nothing to do: give --max-episodes or --eval-episodes")
@@ -394,9 +394,8 @@ def main():
             raise UsageError(f"--load {args.load}: not a policy saved by --save ({type(error).__name__})") from None
     for flag, path in (("--save", args.save), ("--plot", args.plot)):
         if path:
-            folder = os.path.dirname(os.path.abspath(path))
-            check(os.path.isdir(folder), f"{flag} {path}: folder {folder} does not exist")
-    launch(run_worker, world_size, args)
+            check_output_file(flag, path)
+    launch(run_worker, processes, args)
 
 
 if __name__ == "__main__":

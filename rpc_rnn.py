@@ -32,7 +32,6 @@ with the 33k-word decoder):
 """
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -555,10 +554,10 @@ def main():
         generate(args)
         return
     check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (masks differ)")
-    check(not common.launched_by_torchrun() or os.environ["WORLD_SIZE"] == "2",
+    check(common.process_count(2) == 2,
           "rpc_rnn.py runs as exactly 2 processes (ps and trainer); pass --nproc_per_node=2 to torchrun")
     if args.save:
-        check(Path(args.save).parent.is_dir(), f"--save {args.save}: its folder does not exist; create it first")
+        common.check_output_file("--save", args.save)
     corpus = Corpus(common.wikitext2_dir(args.data_dir))
     check(corpus.train.numel() // args.batch_size >= 2,
           f"train.txt has {corpus.train.numel()} tokens, too few for --batch-size {args.batch_size}")
