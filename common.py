@@ -138,6 +138,23 @@ def usable_cpus():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def pin_to_one_cpu(info):
+    """Bind this process to one CPU of its own when this machine has one for each of its processes; returns the
+    CPU, or None when there are too few to go round (then the OS scheduler places the processes).
+
+    For RPC-bound runs: TensorPipe's shared-memory transport polls busily in a thread of every process, and
+    unpinned, the pollers of all processes and their Python threads fight over the same cores.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < info.local_world_size:
+        return None
+    cpu = cpus[info.local_rank]
+    os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
 def _loopback_interface():
     names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
     return next((name for name in names if name.startswith("lo")), None)

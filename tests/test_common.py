@@ -3,6 +3,8 @@
 import dataclasses
 import functools
 import http.server
+import multiprocessing
+import os
 import threading
 from typing import Literal, Optional
 
@@ -104,3 +106,26 @@ def test_parse_args_from_a_dataclass(capsys):
         common.parse_args(Example, ["--help"])
     out = capsys.readouterr().out
     assert "how many (default: 3)" in out and "--fast, --no-fast" in out and "{a,b}" in out
+
+
+def _pinned_cpus(local_rank, local_world_size, queue):
+    info = common.DistInfo(local_rank, local_world_size, local_rank, local_world_size, "env://")
+    queue.put((common.pin_to_one_cpu(info), sorted(os.sched_getaffinity(0))))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
+def test_pin_to_one_cpu_only_when_there_is_a_cpu_for_every_local_process():
+    cpus = sorted(os.sched_getaffinity(0))
+    context = multiprocessing.get_context("spawn")  # in children: pinning this test process would slow the rest
+
+    def pinned(local_rank, local_world_size):
+        queue = context.Queue()
+        child = context.Process(target=_pinned_cpus, args=(local_rank, local_world_size, queue))
+        child.start()
+        result = queue.get(timeout=60)
+        child.join(timeout=60)
+        return result
+
+    assert pinned(0, len(cpus)) == (cpus[0], [cpus[0]])
+    assert pinned(len(cpus) - 1, len(cpus)) == (cpus[-1], [cpus[-1]])
+    assert pinned(0, len(cpus) + 1) == (None, cpus)  # too few CPUs: placement is left to the OS
