@@ -7,7 +7,9 @@ and learns from all of them when they are done. The tutorial this mirrors ("Gett
 distributed RPC framework", part 1) sends two RPCs per environment step (ask for an action, report the
 reward) and runs one policy forward per request. Here an observer sends its new state together with the
 reward of its previous action in ONE RPC, and the agent answers all observers of a step with ONE batched
-forward (`@rpc.functions.async_execution` and futures). Returns are discounted per observer episode.
+forward (`@rpc.functions.async_execution` and futures), computed in numpy on a snapshot of the policy, which
+is quicker than torch for one tiny forward. Returns are discounted per observer episode, and an episode that
+CartPole's time limit cut short is bootstrapped instead of being treated as a failure (`--truncation`).
 
 Commands:
     python rpc_rl.py                                  # agent + 1 observer on this machine, until solved
@@ -20,18 +22,18 @@ Commands:
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=2 --master_addr=HOST --master_port=29500 rpc_rl.py
     torchrun --nnodes=2 --node_rank=1 --nproc_per_node=2 --master_addr=HOST --master_port=29500 rpc_rl.py
 
-Last lines of `python rpc_rl.py` (seed 1, a slow seed: 1465 episodes; seeds 2-5 solve in 262-508 episodes;
-about 5 minutes on a 2-core CPU shared with other jobs):
-    episode 1450 | last reward 500 | running reward 460.1 | 1058 steps/s
-    solved: running reward 475.2 > 475 after 1465 episodes
-    {"script": "rpc_rl", "solved": true, "episodes": 1465, "env_steps": 268536, "wall_time_s": 282.569, ...}
+Last lines of `python rpc_rl.py` (seed 1: 354 episodes, 30-45 s of training on a 2-core CPU; seeds 1-5
+solve in 257-357 episodes, see README):
+    episode 350 | last reward 500 | running reward 469.9 | 1458 steps/s
+    solved: running reward 475.5 > 475 after 354 episodes
+    {"script": "rpc_rl", "solved": true, "episodes": 354, "env_steps": 62957, "wall_time_s": 44.274, ...}
 """
 
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import gymnasium as gym
 import numpy as np
@@ -43,7 +45,8 @@ from torch.distributed.rpc import RRef
 from torch.distributions import Categorical
 
 from common import (UsageError, check, check_output_file, cuda_device_count, emit_result, init_rpc, launch,
-                    parse_args, pick_device, process_count, run_main, save_atomic, seed_everything)
+                    parse_args, pick_device, pin_to_one_cpu, process_count, run_main, save_atomic,
+                    seed_everything)
 
 AGENT_NAME = "agent"
 OBSERVER_NAME = "observer{}"
@@ -58,6 +61,10 @@ class Args:
     """stop after this many episodes (one episode = one episode on every observer) unless solved before"""
     gamma: float = 0.99
     """discount factor for future rewards"""
+    truncation: Literal["bootstrap", "terminal"] = "bootstrap"
+    """returns of an episode the 500-step time limit cut short: continue them with the last reward forever,
+    r / (1 - gamma) (bootstrap: solves in half the episodes, see benchmarks/bench_rpc_rl.py), or end them there
+    as if the pole had fallen (terminal: the tutorial)"""
     lr: float = 1e-2
     """Adam learning rate"""
     seed: int = 1
@@ -76,6 +83,10 @@ class Args:
     """write the learning curve (episode reward and running reward) to this PNG file"""
     cuda: bool = False
     """put the agent's policy on GPU 0 (observers stay on the CPU; only numbers cross the wire)"""
+    pin_cpus: bool = True
+    """bind each process to a CPU of its own when there are enough (--no-pin-cpus: leave placement to the OS);
+    TensorPipe busy-polls in every process, and unpinned its pollers crowd out the Python threads (see the
+    "unpinned" column of benchmarks/bench_rpc_rl.py)"""
     rpc_timeout: float = 20.0
     """seconds after which an RPC to a vanished process fails, ending the run instead of hanging (it also
     bounds one episode, which takes about a second)"""
@@ -98,15 +109,40 @@ class Policy(nn.Module):
         self.affine1 = nn.Linear(4, self.hidden)
         self.affine2 = nn.Linear(self.hidden, 2)
 
-    def keep_mask(self, uniform):
-        """Inverted-dropout mask from uniform noise [n, hidden], scaled like nn.Dropout in training mode."""
-        return (uniform >= self.dropout).float() / (1 - self.dropout)
+    @classmethod
+    def keep_mask(cls, uniform):
+        """Inverted-dropout mask (float32 numpy) from uniform noise [n, hidden], scaled like nn.Dropout."""
+        return (uniform >= cls.dropout).astype(np.float32) / np.float32(1 - cls.dropout)
 
     def forward(self, states, keep_mask=None):
         hidden = self.affine1(states)
         if keep_mask is not None:
             hidden = hidden * keep_mask
         return F.softmax(self.affine2(F.relu(hidden)), dim=1)
+
+    def snapshot(self):
+        """The parameters as numpy arrays, for acting: see numpy_probs."""
+        return [parameter.detach().cpu().numpy().copy() for parameter in
+                (self.affine1.weight, self.affine1.bias, self.affine2.weight, self.affine2.bias)]
+
+
+def numpy_probs(snapshot, states, keep_mask=None):
+    """Policy.forward in numpy, on a snapshot of the parameters (float32, equal to the torch forward within
+    rounding; a test checks it).
+
+    The agent acts with this and learns with Policy.forward. A step's forward is a 1-4 row, 4->128->2 product
+    on the critical path of every environment step; torch's fixed cost per operator call, times the ~20 calls
+    it takes, is several times what numpy needs for it. The policy learns on its own device (GPU with --cuda)
+    and the agent refreshes the snapshot after every update: one copy per episode instead of a device round
+    trip per step.
+    """
+    weight1, bias1, weight2, bias2 = snapshot
+    hidden = states @ weight1.T + bias1
+    if keep_mask is not None:
+        hidden *= keep_mask
+    logits = np.maximum(hidden, 0) @ weight2.T + bias2
+    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return exp / exp.sum(axis=1, keepdims=True)
 
 
 def observer_seed(seed, rank, purpose):
@@ -124,23 +160,45 @@ class Observer:
         self.env = gym.make(ENV_ID)
 
     def run_episode(self, agent_rref, seed=None):
-        """Play one episode, asking the agent for every action; returns (last reward, env steps).
+        """Play one episode, asking the agent for every action; returns (last reward, env steps, whether the
+        time limit cut the episode short rather than the pole falling).
 
         ONE RPC per step: the request carries the new state and the reward of the previous action. The reward
-        of the final action travels back in this method's return value instead of in an extra RPC.
+        of the final action travels back in this method's return value instead of in an extra RPC. The state
+        travels as a tuple of 4 floats: unpickling a numpy array costs the agent more than the step's forward.
         """
         state, _ = self.env.reset(seed=seed)
         agent = agent_rref.owner()
         reward = None
         for step in range(1, self.env.spec.max_episode_steps + 1):
             # The agent's RRef travels with each request so that select_action finds the Agent object without a
-            # process-global variable; RRef bookkeeping adds an acknowledgement message per step (about 20 %
-            # of the CPU time of a step, measured), the price of keeping all state in objects.
-            action = rpc.rpc_sync(agent, Agent.select_action, args=(agent_rref, self.id, state, reward))
+            # process-global table; RRef bookkeeping adds an acknowledgement message per step, the price of
+            # keeping all state in objects.
+            action = rpc.rpc_sync(agent, Agent.select_action, args=(agent_rref, self.id, tuple(state.tolist()),
+                                                                   reward))
             state, reward, terminated, truncated, _ = self.env.step(action)
             if terminated or truncated:
                 break
-        return float(reward), step
+        return float(reward), step, truncated and not terminated
+
+
+def discounted_returns(rewards, gamma, bootstrap=False):
+    """Return G_t = r_t + gamma * G_{t+1} at every step of one episode.
+
+    bootstrap=False ends the sum at the last step: the episode ended in a failure (the tutorial treats every
+    ending so). bootstrap=True is for an episode the time limit cut short (gymnasium's `truncated`): CartPole's
+    500-step limit is not part of the task, and ending the sum there would teach the policy that its last
+    actions, which kept the pole up, were its worst ones; once it balances for the whole episode, every update
+    would then push it away from what it does. REINFORCE has no value function to bootstrap from, so the sum
+    continues with the last reward forever, r / (1 - gamma): in CartPole, the pole stays up. A policy that
+    balances to the limit then sees equal returns at every step, hence no update, and stays where it is.
+    """
+    discounted = rewards[-1] / (1 - gamma) if bootstrap else 0.0
+    returns = []
+    for reward in reversed(rewards):
+        discounted = reward + gamma * discounted
+        returns.append(discounted)
+    return returns[::-1]
 
 
 class Agent:
@@ -157,6 +215,7 @@ class Agent:
         if args.load:
             self.policy.load_state_dict(torch.load(args.load, weights_only=True))
         self.policy.to(device)
+        self.snapshot = self.policy.snapshot()  # what the agent acts with; refreshed after every update
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=args.lr)
         self.eps = np.finfo(np.float32).eps.item()
         self.reward_threshold = gym.spec(ENV_ID).reward_threshold
@@ -168,7 +227,7 @@ class Agent:
         self.generators = {}
         for rank in range(1, world_size):  # an observer's id (its RPC worker id) is its rank
             self.observer_rrefs[rank] = rpc.remote(OBSERVER_NAME.format(rank), Observer)
-            self.generators[rank] = torch.Generator().manual_seed(observer_seed(args.seed, rank, "agent"))
+            self.generators[rank] = np.random.default_rng(observer_seed(args.seed, rank, "agent"))
         self.lock = threading.Lock()
         self.waiting = {}       # observer id -> (state, future of its action), requests not answered yet
         self.playing = set()    # observers whose current episode has not ended
@@ -177,6 +236,8 @@ class Agent:
         self.forwards = 0       # policy forwards spent on acting
         self.trajectory = {ob_id: [] for ob_id in self.observer_rrefs}   # (state, keep_mask, action) per step
         self.rewards = {ob_id: [] for ob_id in self.observer_rrefs}
+        self.truncated = {}     # observer id -> whether its last episode hit the time limit
+        self.truncated_episodes = 0  # training episodes (of one observer) the time limit cut short
 
     @staticmethod
     @rpc.functions.async_execution
@@ -209,26 +270,24 @@ class Agent:
 
     def _act(self, requests):
         ids = [ob_id for ob_id, _ in requests]
-        states = torch.from_numpy(np.stack([state for _, (state, _) in requests])).float()
-        with torch.no_grad():
-            if self.greedy:
-                probs = self.policy(states.to(self.device)).cpu()
-                actions = probs.argmax(dim=1)
-                keep_masks = [None] * len(ids)
-            else:
-                noise = torch.stack([torch.rand(Policy.hidden + 1, generator=self.generators[ob_id])
-                                     for ob_id in ids])
-                keep_masks = self.policy.keep_mask(noise[:, :-1])
-                probs = self.policy(states.to(self.device), keep_masks.to(self.device)).cpu()
-                # inverse-CDF sampling with the observer's own uniform number (Categorical.sample would draw
-                # from the global generator, shared by all observers)
-                actions = (noise[:, -1:] > probs.cumsum(dim=1)).sum(dim=1).clamp(max=probs.shape[1] - 1)
+        states = np.array([state for _, (state, _) in requests], dtype=np.float32)
+        if self.greedy:
+            actions = numpy_probs(self.snapshot, states).argmax(axis=1)
+            keep_masks = [None] * len(ids)
+        else:
+            noise = np.stack([self.generators[ob_id].random(Policy.hidden + 1) for ob_id in ids])
+            keep_masks = Policy.keep_mask(noise[:, :-1])
+            probs = numpy_probs(self.snapshot, states, keep_masks)
+            # inverse-CDF sampling with the observer's own uniform number (Categorical.sample would draw from
+            # the global generator, shared by all observers)
+            actions = (noise[:, -1:] > probs.cumsum(axis=1)).sum(axis=1).clip(max=probs.shape[1] - 1)
+        actions = actions.tolist()
         with self.lock:
             self.forwards += 1
             if not self.greedy:
                 for ob_id, state, keep_mask, action in zip(ids, states, keep_masks, actions):
                     self.trajectory[ob_id].append((state, keep_mask, action))
-        for (_, (_, future)), action in zip(requests, actions.tolist()):
+        for (_, (_, future)), action in zip(requests, actions):
             future.set_result(action)
 
     def _observer_finished(self, observer_id, episode):
@@ -254,7 +313,7 @@ class Agent:
             episodes[ob_id] = episode.then(lambda episode, ob_id=ob_id: self._observer_finished(ob_id, episode))
         env_steps = 0
         for ob_id, episode in episodes.items():
-            last_reward, steps = episode.wait()
+            last_reward, steps, self.truncated[ob_id] = episode.wait()
             self.rewards[ob_id].append(last_reward)
             env_steps += steps
         episode_rewards = {ob_id: sum(rewards) for ob_id, rewards in self.rewards.items()}
@@ -268,11 +327,9 @@ class Agent:
         returns, states, keep_masks, actions = [], [], [], []
         for ob_id in self.observer_rrefs:
             # discounted returns within this observer's own episode, never across observers
-            discounted, observer_returns = 0.0, []
-            for reward in reversed(self.rewards[ob_id]):
-                discounted = reward + self.args.gamma * discounted
-                observer_returns.append(discounted)
-            returns.extend(reversed(observer_returns))
+            self.truncated_episodes += self.truncated[ob_id]
+            bootstrap = self.truncated[ob_id] and self.args.truncation == "bootstrap"
+            returns.extend(discounted_returns(self.rewards[ob_id], self.args.gamma, bootstrap))
             for state, keep_mask, action in self.trajectory[ob_id]:
                 states.append(state)
                 keep_masks.append(keep_mask)
@@ -283,12 +340,14 @@ class Agent:
         if len(returns) > 1:
             returns = (returns - returns.mean()) / (returns.std() + self.eps)
         # one forward for the whole episode, with the dropout masks the actions were sampled with
-        probs = self.policy(torch.stack(states).to(self.device), torch.stack(keep_masks).to(self.device))
-        log_probs = Categorical(probs=probs).log_prob(torch.stack(actions).to(self.device))
+        probs = self.policy(torch.from_numpy(np.stack(states)).to(self.device),
+                            torch.from_numpy(np.stack(keep_masks)).to(self.device))
+        log_probs = Categorical(probs=probs).log_prob(torch.tensor(actions, device=self.device))
         loss = -(log_probs * returns).sum()
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
+        self.snapshot = self.policy.snapshot()
         for ob_id in self.observer_rrefs:
             self.trajectory[ob_id] = []
             self.rewards[ob_id] = []
@@ -338,7 +397,7 @@ def run_agent(args, world_size, device):
                   f"after {episode} episodes", flush=True)
             break
     wall_time = time.perf_counter() - start
-    step_rpcs, forwards = agent.step_rpcs, agent.forwards
+    step_rpcs, forwards, truncated_episodes = agent.step_rpcs, agent.forwards, agent.truncated_episodes
     if args.save:
         save_atomic({name: tensor.cpu() for name, tensor in agent.policy.state_dict().items()}, args.save)
     eval_rewards = []
@@ -356,6 +415,7 @@ def run_agent(args, world_size, device):
                 wall_time_s=round(wall_time, 3), steps_per_s=round(env_steps / max(wall_time, 1e-9), 1),
                 running_reward=round(agent.running_reward, 3), observers=world_size - 1, batch=args.batch,
                 step_rpcs=step_rpcs, rpcs_per_step=step_rpcs / max(env_steps, 1), forwards=forwards,
+                truncation=args.truncation, truncated_episodes=truncated_episodes,
                 device=str(device), eval_rewards=eval_rewards,
                 eval_mean_reward=float(np.mean(eval_rewards)) if eval_rewards else None,
                 episode_rewards=episode_rewards)
@@ -364,6 +424,8 @@ def run_agent(args, world_size, device):
 def run_worker(info, args):
     # The policy is tiny: extra intra-op threads only add synchronisation to every step.
     torch.set_num_threads(1)
+    if args.pin_cpus:
+        pin_to_one_cpu(info)
     if info.rank == 0:
         device = pick_device(args.cuda)
         init_rpc(info, AGENT_NAME, timeout_s=args.rpc_timeout)
@@ -383,6 +445,8 @@ def main():
     check(args.max_episodes > 0 or args.eval_episodes > 0, "nothing to do: give --max-episodes or --eval-episodes")
     check(args.log_interval >= 1, "--log-interval must be >= 1")
     check(0 < args.gamma <= 1, "--gamma must be in (0, 1]")
+    check(args.gamma < 1 or args.truncation == "terminal",
+          "--gamma 1 gives a truncated episode an infinite bootstrap value; use --truncation terminal")
     check(args.lr > 0, "--lr must be > 0")
     check(args.rpc_timeout > 0, "--rpc-timeout must be > 0 seconds")
     check(not args.cuda or cuda_device_count() > 0, "--cuda: no CUDA GPU found; run without --cuda")

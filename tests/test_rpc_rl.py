@@ -6,6 +6,7 @@ import sys
 import time
 
 import gymnasium as gym
+import numpy as np
 import psutil
 import torch
 
@@ -92,6 +93,8 @@ def test_same_seed_same_rewards_it_learns_and_the_saved_policy_evaluates_the_sam
 def test_bad_input_is_one_line(tmp_path):
     assert_usage_error(run_script("rpc_rl.py", "--world-size", 1, timeout=60), "world size 1")
     assert_usage_error(run_script("rpc_rl.py", "--load", tmp_path / "missing.pt", timeout=60), "--load")
+    assert_usage_error(run_script("rpc_rl.py", "--gamma", 1, timeout=60), "--truncation terminal")
+    assert_usage_error(run_script("rpc_rl.py", "--truncation", "never", timeout=60), "--truncation")
     if not torch.cuda.is_available():
         assert_usage_error(run_script("rpc_rl.py", "--cuda", timeout=60), "--cuda")
 
@@ -120,3 +123,39 @@ def test_killed_observer_ends_the_run_without_orphans():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_the_numpy_forward_the_agent_acts_with_equals_the_policy_it_learns_with():
+    torch.manual_seed(0)
+    policy = rpc_rl.Policy()
+    states = torch.randn(5, 4)
+    keep_mask = rpc_rl.Policy.keep_mask(np.random.default_rng(0).random((5, rpc_rl.Policy.hidden)))
+    assert set(np.unique(keep_mask)) == {0.0, np.float32(1 / 0.4)}  # inverted dropout, as nn.Dropout(0.6)
+    for mask in (None, keep_mask):
+        expected = policy(states, None if mask is None else torch.from_numpy(mask))
+        probs = rpc_rl.numpy_probs(policy.snapshot(), states.numpy(), mask)
+        assert probs.dtype == np.float32
+        np.testing.assert_allclose(probs, expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_discounted_returns_end_at_a_failure_and_continue_past_the_time_limit():
+    gamma = 0.9
+    np.testing.assert_allclose(rpc_rl.discounted_returns([1.0, 1.0, 1.0], gamma), [2.71, 1.9, 1.0])
+    np.testing.assert_allclose(rpc_rl.discounted_returns([1.0, 0.0, 2.0], gamma), [1 + 0.81 * 2, 1.8, 2.0])
+    # truncated: the last reward goes on forever, so a policy that kept the pole up sees equal returns
+    np.testing.assert_allclose(rpc_rl.discounted_returns([1.0] * 5, gamma, bootstrap=True), [10.0] * 5)
+    np.testing.assert_allclose(rpc_rl.discounted_returns([0.0, 1.0], gamma, bootstrap=True), [9.0, 10.0])
+
+
+def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_differently_when_bootstrapped():
+    terminal = finish(start_script("--seed", 6, "--max-episodes", 140, "--truncation", "terminal"))
+    rewards = [reward for (reward,) in terminal["episode_rewards"]]
+    assert 500.0 in rewards, "seed 6 no longer reaches the time limit within 140 episodes: pick another seed"
+    first = rewards.index(500.0)
+    assert terminal["truncated_episodes"] == rewards.count(500.0)
+    bootstrap = finish(start_script("--seed", 6, "--max-episodes", first + 5))
+    assert bootstrap["truncation"] == "bootstrap" and bootstrap["truncated_episodes"] >= 1
+    bootstrapped = [reward for (reward,) in bootstrap["episode_rewards"]]
+    # identical until the update after that episode, which only the returns' treatment of it changes
+    assert bootstrapped[:first + 1] == rewards[:first + 1]
+    assert bootstrapped[first + 1:] != rewards[first + 1:first + 5]
