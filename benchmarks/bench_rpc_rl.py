@@ -1,15 +1,19 @@
 """Benchmark rpc_rl.py: environment steps/s against the tutorial's protocol, and time to solve CartPole.
 
 1. Steps/s with 1, 2 and 4 observers, side by side in one run:
-   - batched:   rpc_rl.py as it is (one RPC per step, one no-grad forward per step for all observers);
+   - batched:   rpc_rl.py as it is (one RPC per step, one forward per step for all observers);
+   - unpinned:  rpc_rl.py --no-pin-cpus (the same, processes not bound to CPUs; pinning only happens when
+                there is a CPU for every process, so on 2 CPUs only with 1 observer);
    - no-batch:  rpc_rl.py --no-batch (one RPC per step, one forward per request);
    - tutorial:  the tutorial's protocol, implemented below: two RPCs per step through RRef proxies
-                (select_action, then report_reward), one forward with autograd per request.
+                (select_action, then report_reward), one torch forward with autograd per request; its
+                processes are pinned like rpc_rl.py's, so the ratio measures the code, not the placement.
    Every mode trains for the same number of episodes with the same seed; steps/s is measured over the training
    loop only (process start and RPC setup excluded) and all processes use one intra-op thread.
-2. Episodes and wall time to solve (running reward > 475) at world size 2, for several seeds: median and range.
+2. Episodes and wall time to solve (running reward > 475) at world size 2, for several seeds: median and range,
+   with the returns of time-limited episodes bootstrapped (rpc_rl.py's default) and ended there (the tutorial).
 
-    python benchmarks/bench_rpc_rl.py                         # both parts (about 10 min on 2 CPUs)
+    python benchmarks/bench_rpc_rl.py                         # both parts (about 15 min on 2 CPUs)
     python benchmarks/bench_rpc_rl.py --no-solve              # steps/s only
     python benchmarks/bench_rpc_rl.py --no-throughput --seeds 1,2
 """
@@ -35,7 +39,7 @@ from torch.distributions import Categorical
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import check, init_rpc, launch, parse_args, run_main, seed_everything  # noqa: E402
+from common import check, init_rpc, launch, parse_args, pin_to_one_cpu, run_main, seed_everything  # noqa: E402
 from rpc_rl import AGENT_NAME, ENV_ID, OBSERVER_NAME, observer_seed  # noqa: E402
 
 
@@ -49,6 +53,8 @@ class Args:
     """comma-separated seeds for the time-to-solve runs (world size 2)"""
     max_episodes: int = 2000
     """episode cap of each time-to-solve run"""
+    truncation: str = "bootstrap,terminal"
+    """comma-separated --truncation modes of rpc_rl.py to time to solve"""
     throughput: bool = True
     """run part 1 (steps/s)"""
     solve: bool = True
@@ -138,6 +144,7 @@ class TutorialAgent:
 
 def tutorial_worker(info, episodes, seed, result_path):
     torch.set_num_threads(1)  # same as rpc_rl.py, so the comparison is about the protocol
+    pin_to_one_cpu(info)
     if info.rank == 0:
         init_rpc(info, AGENT_NAME)
         agent = TutorialAgent(info.world_size, seed)
@@ -174,33 +181,38 @@ def run_tutorial(observers, episodes, seed):
 
 def throughput(args):
     print(f"steps/s over {args.episodes} training episodes, seed 1 (higher is better)", flush=True)
-    print(f"{'observers':>9} | {'batched':>8} | {'no-batch':>8} | {'tutorial':>8} | batched / tutorial", flush=True)
+    print(f"{'observers':>9} | {'batched':>8} | {'unpinned':>8} | {'no-batch':>8} | {'tutorial':>8} | "
+          f"batched / tutorial", flush=True)
     for observers in [int(n) for n in args.observers.split(",")]:
         common = ("--world-size", observers + 1, "--max-episodes", args.episodes, "--seed", 1,
                   "--log-interval", args.episodes)
         batched = run_rpc_rl(*common)["steps_per_s"]
+        unpinned = run_rpc_rl(*common, "--no-pin-cpus")["steps_per_s"]
         unbatched = run_rpc_rl(*common, "--no-batch")["steps_per_s"]
         tutorial = run_tutorial(observers, args.episodes, 1)["steps_per_s"]
-        print(f"{observers:>9} | {batched:>8.0f} | {unbatched:>8.0f} | {tutorial:>8.0f} | {batched / tutorial:.2f}x",
-              flush=True)
+        print(f"{observers:>9} | {batched:>8.0f} | {unpinned:>8.0f} | {unbatched:>8.0f} | {tutorial:>8.0f} | "
+              f"{batched / tutorial:.2f}x", flush=True)
 
 
 def time_to_solve(args):
-    print(f"time to solve at world size 2 (cap {args.max_episodes} episodes)", flush=True)
-    episodes, times, solved = [], [], 0
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        start = time.perf_counter()
-        result = run_rpc_rl("--seed", seed, "--max-episodes", args.max_episodes, "--log-interval", 100)
-        total = time.perf_counter() - start
-        solved += result["solved"]
-        episodes.append(result["episodes"])
-        times.append(result["wall_time_s"])
-        print(f"seed {seed}: {'solved' if result['solved'] else 'NOT solved'} after {result['episodes']} episodes, "
-              f"{result['env_steps']} env steps, {result['wall_time_s']:.1f} s training "
-              f"({total:.1f} s with process start), {result['steps_per_s']:.0f} steps/s", flush=True)
-    print(f"solved {solved}/{len(episodes)} | episodes median {statistics.median(episodes):g} "
-          f"(range {min(episodes)}-{max(episodes)}) | wall time median {statistics.median(times):.1f} s "
-          f"(range {min(times):.1f}-{max(times):.1f} s)", flush=True)
+    for truncation in args.truncation.split(","):
+        print(f"time to solve at world size 2, --truncation {truncation} (cap {args.max_episodes} episodes)",
+              flush=True)
+        episodes, times, solved = [], [], 0
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            start = time.perf_counter()
+            result = run_rpc_rl("--seed", seed, "--max-episodes", args.max_episodes, "--log-interval", 100,
+                                "--truncation", truncation)
+            total = time.perf_counter() - start
+            solved += result["solved"]
+            episodes.append(result["episodes"])
+            times.append(result["wall_time_s"])
+            print(f"seed {seed}: {'solved' if result['solved'] else 'NOT solved'} after {result['episodes']} "
+                  f"episodes, {result['env_steps']} env steps, {result['wall_time_s']:.1f} s training "
+                  f"({total:.1f} s with process start), {result['steps_per_s']:.0f} steps/s", flush=True)
+        print(f"--truncation {truncation}: solved {solved}/{len(episodes)} | episodes median "
+              f"{statistics.median(episodes):g} (range {min(episodes)}-{max(episodes)}) | wall time median "
+              f"{statistics.median(times):.1f} s (range {min(times):.1f}-{max(times):.1f} s)", flush=True)
 
 
 def main():
