@@ -370,8 +370,8 @@ def trial_outcomes(search, results, max_epochs):
     stopped_by_scheduler = search.tuner.trials_scheduler_stopped
     rows = []
     for trial_id in sorted(statuses):
-        reports = results[results.trial_id == trial_id] if results is not None else results
-        reports = reports if reports is not None and len(reports) else None
+        reports = results[results.trial_id == trial_id] if results is not None else []  # None: nobody reported
+        reports = reports if len(reports) else None
         epochs = int(reports[RESOURCE].max()) if reports is not None else 0
         if statuses[trial_id] == Status.failed:
             status = "failed"

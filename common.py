@@ -17,6 +17,7 @@ import datetime
 import gzip
 import hashlib
 import inspect
+import io
 import json
 import os
 import random
@@ -274,17 +275,11 @@ def write_atomic(path, data):
 
 
 def save_atomic(obj, path):
-    """torch.save through a temporary file and a rename: a crash mid-save leaves the previous file intact."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """torch.save through write_atomic: a crash mid-save leaves the previous file intact."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, buffer.getvalue())
 
 
 def _download(urls, timeout_s=60.0):

@@ -186,7 +186,7 @@ def evaluate(forward, images, labels, rank, world_size, batch_size=2048):
     return correct.item() / len(labels)
 
 
-def load_checkpoint(path, args, rank):
+def load_checkpoint(path, rank):
     """Rank 0 reads the checkpoint and broadcasts it, so only rank 0 needs the file (also across nodes)."""
     state = [torch.load(path, weights_only=True) if rank == 0 and path.exists() else None]
     dist.broadcast_object_list(state, src=0)
@@ -214,7 +214,7 @@ def run_worker(info, args, data_folder):
 
     flat_params = init_params(args.seed).to(device)  # same seed on every rank: identical starting copies
     checkpoint_path = Path(args.checkpoint_dir) / "multi_gpu.pt" if args.checkpoint_dir else None
-    state = load_checkpoint(checkpoint_path, args, rank) if args.resume else None
+    state = load_checkpoint(checkpoint_path, rank) if args.resume else None
     if state is not None:
         flat_params.copy_(state["params"])
     start_epoch = state["epoch"] if state else 0

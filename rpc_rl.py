@@ -273,7 +273,6 @@ class Agent:
         states = np.array([state for _, (state, _) in requests], dtype=np.float32)
         if self.greedy:
             actions = numpy_probs(self.snapshot, states).argmax(axis=1)
-            keep_masks = [None] * len(ids)
         else:
             noise = np.stack([self.generators[ob_id].random(Policy.hidden + 1) for ob_id in ids])
             keep_masks = Policy.keep_mask(noise[:, :-1])

@@ -145,6 +145,17 @@ def get_batch(source, i, bptt):
     return source[i:i + length], source[i + 1:i + 1 + length]
 
 
+def zero_hidden(lstm, batch_size, device="cpu"):
+    """The LSTM's initial (h, c) state for batch_size streams."""
+    shape = (lstm.num_layers, batch_size, lstm.hidden_size)
+    return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+
+
+def lm_loss(logits, targets):
+    """Mean cross-entropy of next-word logits [rows, batch, ntoken] against target ids [rows, batch]."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 def detach_hidden(hidden):
     """Keep the LSTM state across windows but cut the graph, so backward stops at the window's start."""
     return tuple(h.detach() for h in hidden)
@@ -193,8 +204,7 @@ class Decoder(nn.Module):
         return self.decoder(self.drop(output))
 
     def loss(self, output, targets):
-        logits = self.forward(output)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return lm_loss(self.forward(output), targets)
 
 
 class RNNModel(nn.Module):
@@ -216,8 +226,7 @@ class RNNModel(nn.Module):
         return self.decoder.loss(output, targets), hidden
 
     def init_hidden(self, batch_size, device="cpu"):
-        shape = (self.rnn.num_layers, batch_size, self.rnn.hidden_size)
-        return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        return zero_hidden(self.rnn, batch_size, device)
 
 
 # Functions the trainer runs on the ps by RPC. Each receives an RRef that the ps owns.
@@ -300,15 +309,13 @@ class DistributedRNNModel(nn.Module):
         embedded = call_remote(self.embedding_rref, "forward", input)
         output, hidden = self.rnn(embedded, hidden)
         if self.ship_logits:
-            logits = call_remote(self.decoder_rref, "forward", output)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            loss = lm_loss(call_remote(self.decoder_rref, "forward", output), targets)
         else:
             loss = call_remote(self.decoder_rref, "loss", output, targets)
         return loss, hidden
 
     def init_hidden(self, batch_size, device):
-        shape = (self.rnn.num_layers, batch_size, self.rnn.hidden_size)
-        return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        return zero_hidden(self.rnn, batch_size, device)
 
     def parameter_rrefs(self):
         rrefs = rpc.rpc_sync(PS_NAME, parameter_rrefs_on_owner, args=(self.embedding_rref,))

@@ -4,8 +4,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,6 +34,57 @@ def run_script(script, *args, timeout=120, env=None):
     """Run `python script args...` from the repo root; returns the CompletedProcess (text, captured)."""
     return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def start_script(script, *args):
+    """Start `python script args...` from the repo root without waiting; stdout and stderr are text pipes."""
+    return subprocess.Popen([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_line(proc, text, timeout=120):
+    """Read proc's stdout up to the first line containing text and return it. A run that hangs silently is
+    killed after timeout seconds (a bare readline would wait forever); one that ends first fails the test."""
+    found = []
+
+    def read():
+        for line in proc.stdout:
+            if text in line:
+                found.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        proc.kill()  # closes the pipe, which ends the reader
+        reader.join(10)
+        raise AssertionError(f"no line containing {text!r} within {timeout} s")
+    assert found, f"the run ended without a line containing {text!r}:\n{proc.stderr.read()[-2000:]}"
+    return found[0]
+
+
+def spawned_workers(proc):
+    """The worker processes mp.spawn started under proc, oldest first: in rank order."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    # spawn's workers run multiprocessing's spawn_main (its resource tracker is another child)
+    return sorted((child for child in children if "spawn_main" in " ".join(child.cmdline())),
+                  key=lambda child: (child.create_time(), child.pid))
+
+
+def assert_all_ended(processes, timeout=10):
+    """Every process in the list is gone (or a zombie) within timeout seconds: nothing is left behind."""
+    def running(process):
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    alive = [process for process in processes if running(process)]
+    deadline = time.monotonic() + timeout
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [process for process in alive if running(process)]
+    assert not alive, f"left behind: {alive}"
 
 
 def last_json(stdout):

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, assert_usage_error, data_root, last_json
+from conftest import REPO, assert_usage_error, data_root, last_json, start_script
 
 
 def import_keeping_environment(module):
@@ -55,8 +55,7 @@ def wait_for(condition, timeout, what):
 
 
 def start_search(*args):
-    return subprocess.Popen([sys.executable, str(REPO / "async_hpo.py"), *map(str, args)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_script("async_hpo.py", *args)
 
 
 def finish(proc, timeout):

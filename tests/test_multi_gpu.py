@@ -7,12 +7,12 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from multi_gpu import init_params
-from conftest import REPO, assert_usage_error, data_root, last_json, run_script
+from conftest import (REPO, assert_all_ended, assert_usage_error, data_root, last_json, run_script, spawned_workers,
+                      start_script, wait_for_line)
 
 # Small enough for seconds on 2 cores, large enough that LeNet leaves chance level (0.1) within 2 epochs.
 TINY = ["--batch-size", 64, "--lr", 0.5, "--limit-train", 8192, "--epochs", 2, "--seed", 3]
@@ -167,33 +167,16 @@ def test_missing_data_offline_names_the_files_and_the_flag(tmp_path):
     assert_usage_error(proc, "train-images-idx3-ubyte.gz", "--data-dir FOLDER")
 
 
-def start_long_run(tmp_path, *extra):
-    return subprocess.Popen([sys.executable, "multi_gpu.py", "--gpus", "0", "--procs", "2", "--batch-size", "64",
-                             "--limit-train", "4096", "--epochs", "100", *map(str, data_args()), *map(str, extra)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_line(proc, prefix, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith(prefix):
-            return line
-        assert line or proc.poll() is None, proc.stderr.read()
-    raise AssertionError(f"no line starting with {prefix!r} within {timeout} s")
-
-
-def workers_of(proc):
-    # mp.spawn's workers run multiprocessing's spawn_main (its resource tracker is another child).
-    return [child for child in psutil.Process(proc.pid).children(recursive=True)
-            if "spawn_main" in " ".join(child.cmdline())]
+def start_long_run(*extra):
+    return start_script("multi_gpu.py", "--gpus", 0, "--procs", 2, "--batch-size", 64, "--limit-train", 4096,
+                        "--epochs", 100, *data_args(), *extra)
 
 
 def test_killed_worker_ends_the_run_and_leaves_no_orphans_and_sockets_are_loopback(tmp_path):
-    proc = start_long_run(tmp_path)
+    proc = start_long_run()
     try:
         wait_for_line(proc, "epoch 1 |")
-        workers = workers_of(proc)
+        workers = spawned_workers(proc)
         assert len(workers) == 2
         listening = [c.laddr.ip for w in workers for c in w.net_connections(kind="inet") if c.status == "LISTEN"]
         assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening
@@ -203,18 +186,17 @@ def test_killed_worker_ends_the_run_and_leaves_no_orphans_and_sockets_are_loopba
         assert time.monotonic() - started < 60
         assert proc.returncode != 0
         assert "terminated with signal SIGKILL" in proc.stderr.read()
-        time.sleep(1)
-        assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+        assert_all_ended(workers, timeout=1)
     finally:
         proc.kill()
 
 
 def test_worker_raising_ends_the_run(tmp_path):
     checkpoint_dir = tmp_path / "checkpoints"
-    proc = start_long_run(tmp_path, "--checkpoint-dir", checkpoint_dir)
+    proc = start_long_run("--checkpoint-dir", checkpoint_dir)
     try:
         wait_for_line(proc, "epoch 1 |")
-        workers = workers_of(proc)
+        workers = spawned_workers(proc)
         # Rank 0 saves a checkpoint after every epoch: turning its folder into a file makes the next save raise.
         for path in checkpoint_dir.iterdir():
             path.unlink()
@@ -225,16 +207,14 @@ def test_worker_raising_ends_the_run(tmp_path):
         stderr = proc.stderr.read()
         # rank 0's error is shown (FileExistsError or NotADirectoryError, depending on where the save was)
         assert "Traceback" in stderr and f"'{checkpoint_dir}" in stderr, stderr
-        time.sleep(1)
-        assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+        assert_all_ended(workers, timeout=1)
     finally:
         proc.kill()
 
 
 def test_two_runs_at_once_both_succeed():
-    runs = [subprocess.Popen([sys.executable, "multi_gpu.py", "--procs", "2", "--limit-train", "1024", "--epochs", "1",
-                              *map(str, data_args())], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(2)]
+    runs = [start_script("multi_gpu.py", "--procs", 2, "--limit-train", 1024, "--epochs", 1, *data_args())
+            for _ in range(2)]
     for run in runs:
         stdout, stderr = run.communicate(timeout=180)
         assert run.returncode == 0, stderr

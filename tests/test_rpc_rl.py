@@ -2,7 +2,6 @@
 
 import signal
 import subprocess
-import sys
 import time
 
 import gymnasium as gym
@@ -10,14 +9,14 @@ import numpy as np
 import psutil
 import torch
 
-from conftest import REPO, assert_usage_error, last_json, run_script
+from conftest import (assert_all_ended, assert_usage_error, last_json, run_script, spawned_workers, start_script,
+                      wait_for_line)
 
 import rpc_rl
 
 
-def start_script(*args):
-    return subprocess.Popen([sys.executable, str(REPO / "rpc_rl.py"), *map(str, args)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_rpc_rl(*args):
+    return start_script("rpc_rl.py", *args)
 
 
 def finish(proc, timeout=100):
@@ -34,8 +33,8 @@ def finish(proc, timeout=100):
 def test_one_rpc_per_step_and_one_forward_per_step_when_batched(tmp_path):
     # two observers, batched and --no-batch side by side (also shows that runs at once do not collide)
     plot = tmp_path / "curve.png"
-    batched = start_script("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--plot", plot)
-    unbatched = start_script("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--no-batch")
+    batched = start_rpc_rl("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--plot", plot)
+    unbatched = start_rpc_rl("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--no-batch")
     batched, unbatched = finish(batched), finish(unbatched)
     for result in (batched, unbatched):
         assert result["episodes"] == 6 and result["observers"] == 2
@@ -71,14 +70,14 @@ def greedy_rewards(policy, seed, episodes):
 
 def test_same_seed_same_rewards_it_learns_and_the_saved_policy_evaluates_the_same(tmp_path):
     saved = tmp_path / "policy.pt"
-    runs = [start_script("--max-episodes", 40, "--seed", 2, "--save", saved, "--eval-episodes", 3),
-            start_script("--max-episodes", 40, "--seed", 2)]  # at the same time: no collision
+    runs = [start_rpc_rl("--max-episodes", 40, "--seed", 2, "--save", saved, "--eval-episodes", 3),
+            start_rpc_rl("--max-episodes", 40, "--seed", 2)]  # at the same time: no collision
     trained, again = (finish(run) for run in runs)
     assert trained["episode_rewards"] == again["episode_rewards"]
     rewards = [reward for (reward,) in trained["episode_rewards"]]
     assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
 
-    evaluated = finish(start_script("--load", saved, "--max-episodes", 0, "--eval-episodes", 3, "--seed", 2))
+    evaluated = finish(start_rpc_rl("--load", saved, "--max-episodes", 0, "--eval-episodes", 3, "--seed", 2))
     assert evaluated["episodes"] == 0 and evaluated["env_steps"] == 0
     assert len(trained["eval_rewards"]) == 3
     assert evaluated["eval_rewards"] == trained["eval_rewards"]
@@ -100,25 +99,18 @@ def test_bad_input_is_one_line(tmp_path):
 
 
 def test_killed_observer_ends_the_run_without_orphans():
-    proc = start_script("--world-size", 3, "--max-episodes", 5000, "--log-interval", 1)
+    proc = start_rpc_rl("--world-size", 3, "--max-episodes", 5000, "--log-interval", 1)
     try:
-        assert proc.stdout.readline().startswith("episode 1 |")  # training is under way
+        wait_for_line(proc, "episode 1 |", timeout=100)  # training is under way
         processes = psutil.Process(proc.pid).children(recursive=True)
-        # mp.spawn starts ranks 0, 1, 2 in order: the youngest worker is an observer
-        workers = sorted((p for p in processes if "--multiprocessing-fork" in p.cmdline()),
-                         key=lambda p: (p.create_time(), p.pid))
+        workers = spawned_workers(proc)  # ranks 0, 1, 2: the youngest is an observer
         assert len(workers) == 3
         killed_at = time.monotonic()
         workers[-1].send_signal(signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
         assert time.monotonic() - killed_at < 60
         assert proc.returncode != 0, err[-3000:]
-        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        deadline = time.monotonic() + 5
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.1)
-            alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, alive
+        assert_all_ended(processes, timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -148,12 +140,12 @@ def test_discounted_returns_end_at_a_failure_and_continue_past_the_time_limit():
 
 
 def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_differently_when_bootstrapped():
-    terminal = finish(start_script("--seed", 6, "--max-episodes", 140, "--truncation", "terminal"))
+    terminal = finish(start_rpc_rl("--seed", 6, "--max-episodes", 140, "--truncation", "terminal"))
     rewards = [reward for (reward,) in terminal["episode_rewards"]]
     assert 500.0 in rewards, "seed 6 no longer reaches the time limit within 140 episodes: pick another seed"
     first = rewards.index(500.0)
     assert terminal["truncated_episodes"] == rewards.count(500.0)
-    bootstrap = finish(start_script("--seed", 6, "--max-episodes", first + 5))
+    bootstrap = finish(start_rpc_rl("--seed", 6, "--max-episodes", first + 5))
     assert bootstrap["truncation"] == "bootstrap" and bootstrap["truncated_episodes"] >= 1
     bootstrapped = [reward for (reward,) in bootstrap["episode_rewards"]]
     # identical until the update after that episode, which only the returns' treatment of it changes

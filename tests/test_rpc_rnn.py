@@ -3,7 +3,6 @@ clipping), a checkpoint gathered from both processes loads into the plain model 
 the ps equals the tutorial's logits path, and failures end the run promptly with the right exit status."""
 
 import math
-import subprocess
 import sys
 import time
 
@@ -13,7 +12,8 @@ import torch
 
 import common
 import rpc_rnn
-from conftest import REPO, assert_usage_error, data_root, last_json, run_script
+from conftest import (assert_all_ended, assert_usage_error, data_root, last_json, run_script, spawned_workers,
+                      start_script, wait_for_line)
 
 # Small enough for seconds per run on 2 cores, large enough that the loss has something to learn.
 SMALL = ["--emsize", "48", "--nhid", "48", "--batch-size", "10", "--bptt", "20"]
@@ -104,21 +104,12 @@ def test_distributed_gradients_equal_one_process_gradients(text_dir):
 
 
 def test_ps_death_ends_the_run(text_dir):
-    launcher = subprocess.Popen(
-        [sys.executable, str(REPO / "rpc_rnn.py"), "--data-dir", str(text_dir), "--epochs", "50",
-         "--log-interval", "1", *SMALL], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = start_script("rpc_rnn.py", "--data-dir", text_dir, "--epochs", 50, "--log-interval", 1, *SMALL)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:  # wait until the trainer is training
-            line = launcher.stdout.readline()
-            if "ms/batch" in line or not line:
-                break
-        assert "ms/batch" in line, launcher.stderr.read() if launcher.poll() is not None else "no training line"
-        workers = [child for child in psutil.Process(launcher.pid).children(recursive=True)
-                   if "spawn_main" in " ".join(child.cmdline())]
+        wait_for_line(launcher, "ms/batch", timeout=90)  # the trainer is training
+        workers = spawned_workers(launcher)
         assert len(workers) == 2, workers
-        # mp.spawn starts rank 0 first: the ps is the older worker.
-        ps = min(workers, key=lambda child: (child.create_time(), child.pid))
+        ps = workers[0]  # rank 0
         everyone = psutil.Process(launcher.pid).children(recursive=True)
         killed_at = time.monotonic()
         ps.kill()
@@ -129,8 +120,7 @@ def test_ps_death_ends_the_run(text_dir):
         # was the process killed, and the trainer did not outlive it.
         assert ("process 0 terminated with signal SIGKILL" in stderr
                 or ("Process 1 terminated with the following error" in stderr and "RPC" in stderr)), stderr[-2000:]
-        _, alive = psutil.wait_procs(everyone, timeout=10)
-        assert not alive, f"orphans: {alive}"
+        assert_all_ended(everyone, timeout=10)
     finally:
         if launcher.poll() is None:
             launcher.kill()
