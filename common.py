@@ -238,14 +238,42 @@ def cuda_device_count():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def pick_device(use_cuda, local_rank=0):
-    """cuda:local_rank when asked for and present, else the CPU; asking for a missing GPU is a UsageError."""
+def local_process_count(spawned):
+    """The number of processes of this run on this machine: torchrun's LOCAL_WORLD_SIZE, else `spawned`."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if launched_by_torchrun() else spawned
+
+
+def gpu_per_process_problem(local_processes):
+    """Why the local processes cannot have a GPU each, or None when they can: either this machine shows a GPU
+    for every local process (process i takes cuda:i), or a scheduler made one GPU visible to each process
+    (CUDA_VISIBLE_DEVICES set, one device: every process takes cuda:0, each its own)."""
+    count = cuda_device_count()
+    if count >= local_processes or (count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES")):
+        return None
+    return f"{local_processes} processes on this machine need a GPU each, and it shows {count}"
+
+
+def local_gpu_index(local_rank):
+    """This process's GPU under the rule of gpu_per_process_problem."""
+    return local_rank if cuda_device_count() > local_rank else 0
+
+
+def pick_device(use_cuda, index=0):
+    """cuda:index when asked for and present, else the CPU; asking for a missing GPU is a UsageError."""
     if not use_cuda:
         return torch.device("cpu")
-    check(local_rank < cuda_device_count(),
-          f"no CUDA device {local_rank} on this machine ({cuda_device_count()} found); run without the GPU flag")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    check(index < cuda_device_count(),
+          f"no CUDA device {index} on this machine ({cuda_device_count()} found); run without the GPU flag")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def set_tf32(allowed):
+    """Let float32 matrix products and convolutions on Ampere and newer GPUs run in TF32 (about 3x faster, with
+    a relative error near 1e-3), or keep them in IEEE float32, as every comparison with another device needs."""
+    precision = "tf32" if allowed else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.fp32_precision = precision
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,6 +15,51 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+# Downloads through a proxy that is not there fail at once: "no network", on machines that have one too.
+OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+# Requests to a mirror on this machine must not go through a proxy that the environment names.
+LOOPBACK_DIRECT = {"no_proxy": "127.0.0.1,localhost", "NO_PROXY": "127.0.0.1,localhost"}
+
+
+def gpu_count():
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def needs_gpus(count):
+    """Decorator for a test that needs `count` CUDA GPUs: marked `gpu` (`python -m pytest -m gpu` runs these
+    alone), and skipped, with the reason, on a machine with fewer."""
+    def mark(test):
+        found = gpu_count()
+        skip = pytest.mark.skipif(found < count, reason=f"needs {count} CUDA GPU(s), {found} found")
+        return pytest.mark.gpu(skip(test))
+    return mark
+
+
+def first_visible_gpu():
+    """CUDA_VISIBLE_DEVICES naming only the first GPU this process sees (an index, a UUID or a MIG name)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+
+
+def flags(*recipes, **overrides):
+    """Command-line flags from dicts of {flag_name: value} and keyword overrides: flags({"lr": 0.1}, epochs=2)
+    -> ["--lr", "0.1", "--epochs", "2"]. None drops the flag; True gives --flag and False --no-flag."""
+    merged = {}
+    for recipe in (*recipes, overrides):
+        merged.update(recipe)
+    result = []
+    for name, value in merged.items():
+        if value is None:
+            continue
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            result.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            result += [f"--{flag}", str(value)]
+    return result
+
+
 def data_root():
     """DATA_DIR if set, else ../shared/data beside the checkout; None lets the scripts download."""
     if os.environ.get("DATA_DIR"):

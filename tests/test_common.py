@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import common
-from conftest import data_root
+from conftest import LOOPBACK_DIRECT, OFFLINE, data_root
 
 FASHION = data_root() / "fashion-mnist" if data_root() else None
 WIKITEXT = data_root() / "wikitext-2" if data_root() else None
@@ -20,8 +20,11 @@ needs_data = pytest.mark.skipif(FASHION is None, reason="needs ../shared/data or
 
 
 @pytest.fixture
-def serve():
-    """serve(folder) -> base URL of an HTTP server on loopback that serves that folder."""
+def serve(monkeypatch):
+    """serve(folder) -> base URL of an HTTP server on loopback that serves that folder (reached directly, even
+    where the environment names a proxy)."""
+    for name, value in LOOPBACK_DIRECT.items():
+        monkeypatch.setenv(name, value)
     servers = []
 
     def start(folder):
@@ -66,7 +69,9 @@ def test_a_download_with_the_wrong_checksum_is_refused_and_not_kept(serve, tmp_p
     assert (target / "valid.txt").read_bytes() == (WIKITEXT / "valid.txt").read_bytes()
 
 
-def test_no_network_and_no_data_says_which_files_and_which_flag(tmp_path):
+def test_no_network_and_no_data_says_which_files_and_which_flag(tmp_path, monkeypatch):
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(common.UsageError, match=r"put train.txt, valid.txt, test.txt in a folder and pass --data-dir"):
         common.wikitext2_dir(tmp_path / "nothing", mirrors=["http://127.0.0.1:9/"])
 
