@@ -15,8 +15,8 @@ and `ddp` (DistributedDataParallel). Test accuracy is computed by all processes,
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 2 --master_addr $MASTER_ADDR \
         --master_port 29400 multi_gpu.py --gpus 2
 
-A CPU run (`--gpus 0 --procs 2 --data-dir ../shared/data`, the tutorial's recipe, 10 epochs) took 3 min on
-a 2-core machine and ended with (the tutorial reports test acc 0.84 after 10 epochs):
+A CPU run (`--gpus 0 --procs 2`, the tutorial's recipe, 10 epochs) took 3 min on a 2-core machine and ended
+with (the tutorial reports test acc 0.84 after 10 epochs):
 
     epoch 10 | loss 0.403 | train acc 0.849 | test acc 0.836 | 14.80 s/epoch | 4.1k samples/s
     {"script": "multi_gpu", "allreduce": "ring", "world_size": 2, "device": "cpu", "epochs": 10, "loss": 0.403,
@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from common import (check, check_output_file, cuda_device_count, emit_result, fashion_mnist_dir, init_process_group,
-                    launch, load_fashion_mnist, parse_args, pick_device, process_count, run_main, save_atomic)
+from common import (check, check_output_file, cuda_device_count, emit_result, fashion_mnist_dir, gpu_per_process_problem,
+                    init_process_group, launch, launched_by_torchrun, load_fashion_mnist, local_gpu_index,
+                    local_process_count, parse_args, pick_device, process_count, run_main, save_atomic, set_tf32)
 
 
 @dataclasses.dataclass
@@ -68,6 +69,49 @@ class Args:
     """continue from the checkpoint in --checkpoint-dir, if there is one"""
     timeout: float = 60.0
     """seconds a collective may wait for a peer before the run fails"""
+    tf32: bool = True
+    """let convolutions and matrix products on Ampere and newer GPUs use TF32 (--no-tf32: IEEE float32, for
+    results that match other devices within rounding)"""
+    cuda_graphs: bool = True
+    """on GPUs, replay each step's forward and backward as one CUDA graph (--no-cuda-graphs: launch every kernel
+    from Python)"""
+
+
+def validate(args):
+    """The rules of the flags, checked before any work starts: each broken rule is one line and exit status 2.
+    Fills in --gpus when it was not given."""
+    gpus_here = cuda_device_count()
+    if launched_by_torchrun():  # one process per GPU, and torchrun decided how many run on this machine
+        local = local_process_count(1)
+        if args.gpus is None:
+            args.gpus = local if gpus_here else 0
+        check(args.gpus in (0, local), f"--gpus {args.gpus}: torchrun started {local} processes on this machine, "
+                                       f"one per GPU; pass --gpus {local}, or --gpus 0 to train on CPUs")
+        problem = gpu_per_process_problem(local) if args.gpus else None
+        check(problem is None, f"--gpus {args.gpus}: {problem}; start fewer processes per machine or pass --gpus 0")
+    elif args.gpus is None:
+        args.gpus = gpus_here
+    check(args.gpus >= 0, f"--gpus must be 0 or more, not {args.gpus}")
+    check(args.gpus <= gpus_here, f"--gpus {args.gpus} asks for more GPUs than the {gpus_here} this machine has; "
+                                  f"pass --gpus {gpus_here}" + (" to train on CPU processes" if not gpus_here else ""))
+    check(args.procs >= 1, f"--procs must be at least 1, not {args.procs}")
+    check(args.lr > 0, f"--lr must be positive, not {args.lr}")
+    check(args.epochs > 0, f"--epochs must be positive, not {args.epochs}")
+    check(args.timeout > 0, f"--timeout must be positive, not {args.timeout}")
+    check(args.limit_train is None or args.limit_train > 0, f"--limit-train must be positive, not {args.limit_train}")
+    check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
+    processes = process_count(args.gpus or args.procs)
+    check(args.batch_size >= processes,
+          f"--batch-size {args.batch_size} is smaller than the {processes} processes; every process needs a shard")
+    if args.plot:
+        check_output_file("--plot", args.plot)
+    if args.checkpoint_dir:
+        check(not Path(args.checkpoint_dir).exists() or Path(args.checkpoint_dir).is_dir(),
+              f"--checkpoint-dir {args.checkpoint_dir} is a file; pass a folder")
+        saved = read_checkpoint(checkpoint_path(args)) if args.resume else None
+        check(saved is None or saved["recipe"] == recipe(args),
+              f"{checkpoint_path(args)} was written with {saved and saved['recipe']}, not {recipe(args)}; pass the "
+              f"same flags or another --checkpoint-dir")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -99,19 +143,8 @@ def lenet(X, params):
     return h3 @ W4 + b4
 
 
-class LeNet(nn.Module):
-    """The same LeNet as an nn.Module, for DistributedDataParallel. Lives in every process."""
-
-    def __init__(self, flat):
-        super().__init__()
-        self.params = nn.ParameterList([nn.Parameter(p.clone()) for p in unflatten(flat)])
-
-    def forward(self, X):
-        return lenet(X, list(self.params))
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Gradient synchronisation: each function sums `flat` (one buffer holding every gradient) across processes
+# Summing the gradients: each function sums `flat` (one buffer holding every gradient) across processes
 # ---------------------------------------------------------------------------------------------------------
 
 def tutorial_allreduce(flat, rank, world_size):
@@ -130,38 +163,47 @@ def tutorial_allreduce(flat, rank, world_size):
 
 
 def ring_allreduce(flat, rank, world_size, segments=4):
-    """Bandwidth-optimal ring allreduce. The buffer is cut into k chunks. Reduce-scatter: in k-1 steps every
-    rank passes one chunk to its right neighbour and adds the chunk arriving from its left, after which rank r
-    holds the full sum of chunk r+1. All-gather: k-1 more steps pass the summed chunks around the ring.
-    Each rank sends and receives 2(k-1)/k of the buffer, whatever k is. Each chunk travels in a few segments,
-    so that adding one segment overlaps with receiving the next."""
+    """Bandwidth-optimal ring allreduce (the chapter's exercise 3). The buffer is cut into k chunks.
+    Reduce-scatter: in k-1 steps every rank passes one chunk to its right neighbour and adds the chunk arriving
+    from its left, after which rank r holds the full sum of chunk r+1. All-gather: k-1 more steps pass the
+    summed chunks around the ring. Each rank sends and receives 2(k-1)/k of the buffer, whatever k is. Each
+    chunk travels in a few segments, each exchanged on its own, so that adding one segment overlaps with
+    receiving the next."""
     if world_size == 1:
         return
-    chunks = list(flat.tensor_split(world_size))
+    chunks = flat.tensor_split(world_size)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     incoming = torch.empty_like(chunks[0])
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
-        buffer = incoming[:chunks[receive].numel()]
-        sends, receives = exchange(chunks[send].tensor_split(segments), right, buffer.tensor_split(segments), left)
-        for request, total, part in zip(receives, chunks[receive].tensor_split(segments),
-                                        buffer.tensor_split(segments)):
-            request.wait()
+        arriving = incoming[:chunks[receive].numel()].tensor_split(segments)
+        transfers = [exchange(part, right, into, left)
+                     for part, into in zip(chunks[send].tensor_split(segments), arriving)]
+        for requests, total, part in zip(transfers, chunks[receive].tensor_split(segments), arriving):
+            wait_all(requests)
             total += part
-        for request in sends:
-            request.wait()
     for step in range(world_size - 1):
         send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
-        for request in sum(exchange([chunks[send]], right, [chunks[receive]], left), []):
-            request.wait()
+        wait_all(exchange(chunks[send], right, chunks[receive], left))
 
 
 def exchange(outgoing, destination, incoming, source):
-    """Post the sends of `outgoing` and the receives into `incoming` together (NCCL's point-to-point calls
-    would otherwise block each other); returns (send requests, receive requests) in the order given."""
-    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, part, destination) for part in outgoing] +
-                                      [dist.P2POp(dist.irecv, part, source) for part in incoming])
-    return requests[:len(outgoing)], requests[len(outgoing):]
+    """Post a send and a receive together, so that neither waits for the other (NCCL's blocking point-to-point
+    calls would deadlock around the ring); returns the requests to wait on before touching either tensor.
+
+    What batch_isend_irecv returns depends on the backend: NCCL coalesces the batch into ONE request, gloo
+    returns one per operation (torch/distributed/distributed_c10d.py). So the requests are never matched to
+    operations by position: all of them are waited on. Empty pieces of a tiny buffer are not sent; the two
+    ends of a transfer skip them alike.
+    """
+    operations = [dist.P2POp(dist.isend, outgoing, destination)] if outgoing.numel() else []
+    operations += [dist.P2POp(dist.irecv, incoming, source)] if incoming.numel() else []
+    return dist.batch_isend_irecv(operations) if operations else []
+
+
+def wait_all(requests):
+    for request in requests:
+        request.wait()
 
 
 def builtin_allreduce(flat, rank, world_size):
@@ -171,9 +213,103 @@ def builtin_allreduce(flat, rank, world_size):
 ALLREDUCE = {"tutorial": tutorial_allreduce, "ring": ring_allreduce, "builtin": builtin_allreduce}
 
 
+class Replica:
+    """This process's copy of LeNet, for the hand-written allreduces. Lives in every process.
+
+    The parameters and their gradients are views into two flat buffers, so that summing the gradients and the
+    SGD update are one call each on the whole model, with no packing or unpacking."""
+
+    loss_scale = 1
+
+    def __init__(self, flat_params, allreduce, rank, world_size):
+        self.flat_params, self.flat_grads = flat_params, torch.zeros_like(flat_params)
+        self.params = unflatten(flat_params)
+        for param, grad in zip(self.params, unflatten(self.flat_grads)):
+            param.requires_grad_()
+            param.grad = grad
+        self.allreduce, self.rank, self.world_size = ALLREDUCE[allreduce], rank, world_size
+
+    def forward(self, X):
+        return lenet(X, self.params)
+
+    def sum_gradients(self):
+        self.allreduce(self.flat_grads, self.rank, self.world_size)
+
+    @torch.no_grad()
+    def update(self, lr):
+        self.flat_params.sub_(self.flat_grads, alpha=lr)
+        self.flat_grads.zero_()
+
+    def flat(self):
+        return self.flat_params.detach()
+
+
+class DDPReplica:
+    """The same LeNet as an nn.Module inside DistributedDataParallel, which sums the gradients during backward.
+    Lives in every process."""
+
+    class LeNet(nn.Module):
+        def __init__(self, flat):
+            super().__init__()
+            self.params = nn.ParameterList([nn.Parameter(p.clone()) for p in unflatten(flat)])
+
+        def forward(self, X):
+            return lenet(X, list(self.params))
+
+    def __init__(self, flat_params, world_size):
+        device = flat_params.device
+        self.module = DistributedDataParallel(self.LeNet(flat_params),
+                                              device_ids=[device] if device.type == "cuda" else None)
+        # DDP averages gradients over processes; scaling its loss by k keeps every variant's update identical.
+        self.loss_scale = world_size
+
+    def forward(self, X):
+        return self.module(X)
+
+    def sum_gradients(self):
+        pass  # done by DDP during backward
+
+    @torch.no_grad()
+    def update(self, lr):
+        for param in self.module.parameters():
+            param -= lr * param.grad
+            param.grad = None
+
+    def flat(self):
+        return torch.cat([param.detach().reshape(-1) for param in self.module.parameters()])
+
+
 # ---------------------------------------------------------------------------------------------------------
-# One process's training run
+# Training: every process runs run_worker; rank 0 alone prints, plots and checkpoints
 # ---------------------------------------------------------------------------------------------------------
+
+def shard_step(model, images, labels, index, batch_size):
+    """Forward, loss and backward of this process's shard of one global batch (images[index]); returns the
+    shard's [loss sum, correct predictions], on the device."""
+    X, y = images.index_select(0, index), labels.index_select(0, index)
+    logits = model.forward(X)
+    losses = F.cross_entropy(logits, y, reduction="none")
+    # Sum over the shard, divided by the GLOBAL batch size: summed over ranks, this is the mean loss of the
+    # whole batch, as one process would compute it.
+    (losses.sum() * (model.loss_scale / batch_size)).backward()
+    correct = (logits.detach().argmax(1) == y).sum()
+    return torch.stack([losses.detach().sum(), correct.to(losses.dtype)])
+
+
+def train_epoch(model, step, data, args, epoch, rank, world_size):
+    """One pass over the training set in global batches; returns this process's [loss sum, correct]."""
+    train_x = data[0]
+    # Every rank draws the same permutation, so all agree on the global batches without communicating.
+    order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+    order = order.to(train_x.device)
+    totals = torch.zeros(2, device=train_x.device)
+    for start in range(0, len(train_x), args.batch_size):
+        batch = order[start:start + args.batch_size]
+        totals += step(batch.tensor_split(world_size)[rank], len(batch))  # forward, loss, backward
+        model.sum_gradients()
+        model.update(args.lr)
+    return totals
+
 
 def evaluate(forward, images, labels, rank, world_size, batch_size=2048):
     """Test accuracy on all processes: each counts its shard of the test set, the counts are summed."""
@@ -186,117 +322,155 @@ def evaluate(forward, images, labels, rank, world_size, batch_size=2048):
     return correct.item() / len(labels)
 
 
-def load_checkpoint(path, rank):
-    """Rank 0 reads the checkpoint and broadcasts it, so only rank 0 needs the file (also across nodes)."""
-    state = [torch.load(path, weights_only=True) if rank == 0 and path.exists() else None]
-    dist.broadcast_object_list(state, src=0)
-    return state[0]
+def run_worker(info, args, data_folder):
+    rank, world_size = info.rank, info.world_size
+    device = pick_device(args.gpus > 0, local_gpu_index(info.local_rank))
+    if device.type == "cuda":
+        set_tf32(args.tf32)
+    init_process_group(info, "nccl" if device.type == "cuda" else "gloo", args.timeout,
+                       device_id=device if device.type == "cuda" else None)
+    data = load_to_device(data_folder, args.limit_train, device)
 
+    flat_params = init_params(args.seed).to(device)  # same seed on every rank: identical starting copies
+    state = load_checkpoint(checkpoint_path(args), rank) if args.resume else None
+    if state is not None:
+        flat_params.copy_(state["params"])
+    history = state["history"] if state else []
+    model = (DDPReplica(flat_params, world_size) if args.allreduce == "ddp"
+             else Replica(flat_params, args.allreduce, rank, world_size))
+    step = make_step(model, data, args, device)
+
+    if rank == 0 and history:
+        print(f"resuming after epoch {len(history)} from {checkpoint_path(args)}", flush=True)
+    for epoch in range(len(history), args.epochs):
+        started = time.perf_counter()
+        totals = train_epoch(model, step, data, args, epoch, rank, world_size)
+        dist.all_reduce(totals)
+        loss, train_acc = (totals / len(data[0])).tolist()  # waits for the epoch's last step
+        seconds = time.perf_counter() - started
+        test_acc = evaluate(model.forward, data[2], data[3], rank, world_size)
+        history.append({"epoch": epoch + 1, "loss": loss, "train_acc": train_acc, "test_acc": test_acc,
+                        "seconds": seconds})
+        if rank == 0:
+            print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
+                  f"{seconds:.2f} s/epoch | {len(data[0]) / seconds / 1000:.1f}k samples/s", flush=True)
+            save_checkpoint(args, model.flat(), history)
+    if rank == 0:
+        report(args, history, world_size, device, len(data[0]), resumed_after=len(state["history"]) if state else 0)
+    dist.destroy_process_group()
+
+
+def main():
+    args = parse_args(Args)
+    validate(args)
+    data_folder = fashion_mnist_dir(args.data_dir)  # download (once) before the workers start
+    launch(run_worker, process_count(args.gpus or args.procs), args, data_folder)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: the data on the device, CUDA graphs
+# ---------------------------------------------------------------------------------------------------------
+
+def load_to_device(data_folder, limit_train, device):
+    """(train images, train labels, test images, test labels), all on the device, images as floats [N, 1, 28, 28]
+    in [0, 1]: a step then needs no loader, no host copy and no conversion, only an index."""
+    train_x, train_y, test_x, test_y = load_fashion_mnist(data_folder)
+    if limit_train:
+        train_x, train_y = train_x[:limit_train], train_y[:limit_train]
+    return (train_x.to(device).unsqueeze(1).float().div_(255), train_y.to(device),
+            test_x.to(device).unsqueeze(1).float().div_(255), test_y.to(device))
+
+
+def make_step(model, data, args, device):
+    """step(index, batch_size) -> [loss sum, correct]: shard_step, or its CUDA-graph replay."""
+    images, labels = data[0], data[1]
+    if device.type == "cuda" and args.cuda_graphs and args.allreduce != "ddp":
+        return GraphedSteps(model, images, labels)
+    return lambda index, batch_size: shard_step(model, images, labels, index, batch_size)
+
+
+class GraphedSteps:
+    """shard_step captured as a CUDA graph, one per shard shape, then replayed. Lives in every GPU process.
+
+    A LeNet step is about sixty small kernels, each launched from Python: on a GPU those launches, not the
+    arithmetic, set the pace. A graph launches them all at once. Only forward, loss and backward are captured;
+    the allreduce and the update run as they do without graphs, so every backend's collectives behave as usual.
+    The gradients land in the model's flat buffer (captured as in-place additions to it).
+    """
+
+    def __init__(self, model, images, labels):
+        self.model, self.images, self.labels = model, images, labels
+        self.graphs = {}  # (shard size, batch size) -> (index buffer, graph, its output)
+
+    def __call__(self, index, batch_size):
+        key = (len(index), batch_size)
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(*key)
+        static_index, graph, output = self.graphs[key]
+        static_index.copy_(index)
+        graph.replay()
+        return output.clone()  # the next replay overwrites the output
+
+    def capture(self, shard_size, batch_size):
+        static_index = torch.zeros(shard_size, dtype=torch.long, device=self.images.device)
+        def step(): return shard_step(self.model, self.images, self.labels, static_index, batch_size)  # noqa: E731
+        # Warm-up on a side stream, as torch.cuda.graphs asks: libraries pick their kernels outside the capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.model.flat_grads.zero_()  # the warm-up's gradients
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = step()
+        return static_index, graph, output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: checkpoints (resume with any process count) and reporting
+# ---------------------------------------------------------------------------------------------------------
 
 def recipe(args):
     """What a resumed run must share with the run that wrote the checkpoint (the process count may differ)."""
     return {"batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "limit_train": args.limit_train}
 
 
-def run_worker(info, args, data_folder):
-    rank, world_size = info.rank, info.world_size
-    device = pick_device(args.gpus > 0, info.local_rank)
-    init_process_group(info, "nccl" if device.type == "cuda" else "gloo", args.timeout,
-                       device_id=device if device.type == "cuda" else None)
+def checkpoint_path(args):
+    return Path(args.checkpoint_dir) / "multi_gpu.pt" if args.checkpoint_dir else None
 
-    # The whole data set lives on the device as floats: no loader, no per-batch copies or conversions.
-    train_x, train_y, test_x, test_y = load_fashion_mnist(data_folder)
-    if args.limit_train:
-        train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
-    train_x = train_x.to(device).unsqueeze(1).float().div_(255)
-    test_x = test_x.to(device).unsqueeze(1).float().div_(255)
-    train_y, test_y = train_y.to(device), test_y.to(device)
 
-    flat_params = init_params(args.seed).to(device)  # same seed on every rank: identical starting copies
-    checkpoint_path = Path(args.checkpoint_dir) / "multi_gpu.pt" if args.checkpoint_dir else None
-    state = load_checkpoint(checkpoint_path, rank) if args.resume else None
-    if state is not None:
-        flat_params.copy_(state["params"])
-    start_epoch = state["epoch"] if state else 0
-    history = state["history"] if state else []
+def read_checkpoint(path):
+    return torch.load(path, weights_only=True) if path and path.exists() else None
 
-    if args.allreduce == "ddp":
-        model = DistributedDataParallel(LeNet(flat_params), device_ids=[device] if device.type == "cuda" else None)
-        params = list(model.parameters())
-        forward = model
-    else:
-        # Parameters and gradients are views into two flat buffers: the allreduce and the SGD update are then
-        # one call each on the whole model, with no packing or unpacking.
-        flat_grads = torch.zeros_like(flat_params)
-        params = unflatten(flat_params)
-        for param, grad in zip(params, unflatten(flat_grads)):
-            param.requires_grad_()
-            param.grad = grad
-        forward = lambda X: lenet(X, params)  # noqa: E731
-        allreduce = ALLREDUCE[args.allreduce]
 
-    n_train = len(train_x)
-    # DDP averages gradients over processes; scaling its loss by k keeps every variant's update identical.
-    loss_scale = world_size if args.allreduce == "ddp" else 1
-    if rank == 0 and start_epoch:
-        print(f"resuming after epoch {start_epoch} from {checkpoint_path}", flush=True)
-    for epoch in range(start_epoch, args.epochs):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        # Every rank draws the same permutation, so all agree on the global batches without communicating.
-        order = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-        order = order.to(device)
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device)
-        for start in range(0, n_train, args.batch_size):
-            batch = order[start:start + args.batch_size]
-            shard = batch.tensor_split(world_size)[rank]
-            X, y = train_x[shard], train_y[shard]
-            logits = forward(X)
-            losses = F.cross_entropy(logits, y, reduction="none")
-            # Sum over the shard, divided by the GLOBAL batch size: summed over ranks, this is the mean loss
-            # of the whole batch, as one process would compute it.
-            (losses.sum() * (loss_scale / len(batch))).backward()
-            with torch.no_grad():
-                if args.allreduce == "ddp":
-                    for param in params:
-                        param -= args.lr * param.grad
-                        param.grad = None
-                else:
-                    allreduce(flat_grads, rank, world_size)
-                    flat_params.sub_(flat_grads, alpha=args.lr)
-                    flat_grads.zero_()
-                loss_sum += losses.detach().sum()
-                correct += (logits.argmax(1) == y).sum()
-        totals = torch.stack([loss_sum, correct])
-        dist.all_reduce(totals)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        test_acc = evaluate(forward, test_x, test_y, rank, world_size)
-        loss, train_acc = (totals / n_train).tolist()
-        history.append({"epoch": epoch + 1, "loss": loss, "train_acc": train_acc, "test_acc": test_acc,
-                        "seconds": seconds})
-        if rank == 0:
-            print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
-                  f"{seconds:.2f} s/epoch | {n_train / seconds / 1000:.1f}k samples/s", flush=True)
-            if checkpoint_path:
-                final = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
-                save_atomic({"epoch": epoch + 1, "params": final, "history": history, "recipe": recipe(args)},
-                            checkpoint_path)
+def load_checkpoint(path, rank):
+    """Rank 0 reads the checkpoint and broadcasts it, so only rank 0 needs the file (also across nodes).
+    The shuffling of epoch e depends on the seed and e alone, so the parameters and the history are all a
+    resumed run needs to continue as if it had never stopped."""
+    state = [read_checkpoint(path) if rank == 0 else None]
+    dist.broadcast_object_list(state, src=0)
+    return state[0]
 
-    if rank == 0:
-        if args.plot:
-            plot_learning_curve(history, args.plot)
-        ran = history[start_epoch:] or history
-        seconds = sorted(h["seconds"] for h in ran)[len(ran) // 2]  # median: the first epoch includes warm-up
-        last = history[-1] if history else {}
-        emit_result("multi_gpu", allreduce=args.allreduce, world_size=world_size, device=device.type,
-                    epochs=len(history), loss=last.get("loss"), train_acc=last.get("train_acc"),
-                    test_acc=last.get("test_acc"), s_per_epoch=seconds, samples_per_s=n_train / seconds,
-                    history=history)
-    dist.destroy_process_group()
+
+def save_checkpoint(args, flat_params, history):
+    """After every epoch, by rank 0, written atomically (a crash mid-save keeps the previous checkpoint)."""
+    if args.checkpoint_dir:
+        save_atomic({"epoch": len(history), "params": flat_params.cpu(), "history": history, "recipe": recipe(args)},
+                    checkpoint_path(args))
+
+
+def report(args, history, world_size, device, n_train, resumed_after):
+    if args.plot:
+        plot_learning_curve(history, args.plot)
+    ran = history[resumed_after:] or history
+    seconds = sorted(h["seconds"] for h in ran)[len(ran) // 2]  # median: the first epoch includes warm-up
+    last = history[-1] if history else {}
+    emit_result("multi_gpu", allreduce=args.allreduce, world_size=world_size, device=device.type,
+                epochs=len(history), loss=last.get("loss"), train_acc=last.get("train_acc"),
+                test_acc=last.get("test_acc"), s_per_epoch=seconds, samples_per_s=n_train / seconds,
+                history=history)
 
 
 def plot_learning_curve(history, path):
@@ -317,39 +491,6 @@ def plot_learning_curve(history, path):
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
-
-
-def main():
-    args = parse_args(Args)
-    gpus_here = cuda_device_count()
-    if args.gpus is None:
-        args.gpus = gpus_here
-    check(args.gpus >= 0, f"--gpus must be 0 or more, not {args.gpus}")
-    check(args.gpus <= gpus_here, f"--gpus {args.gpus} asks for more GPUs than the {gpus_here} this machine has; "
-                                  f"pass --gpus {gpus_here}" + (" to train on CPU processes" if not gpus_here else ""))
-    check(args.procs >= 1, f"--procs must be at least 1, not {args.procs}")
-    check(args.lr > 0, f"--lr must be positive, not {args.lr}")
-    check(args.epochs > 0, f"--epochs must be positive, not {args.epochs}")
-    check(args.timeout > 0, f"--timeout must be positive, not {args.timeout}")
-    check(args.limit_train is None or args.limit_train > 0, f"--limit-train must be positive, not {args.limit_train}")
-    check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
-    if args.plot:
-        check_output_file("--plot", args.plot)
-    if args.checkpoint_dir:
-        checkpoint_dir = Path(args.checkpoint_dir)
-        check(not checkpoint_dir.exists() or checkpoint_dir.is_dir(),
-              f"--checkpoint-dir {checkpoint_dir} is a file; pass a folder")
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint = checkpoint_dir / "multi_gpu.pt"
-        if args.resume and checkpoint.exists():
-            saved = torch.load(checkpoint, weights_only=True)["recipe"]
-            check(saved == recipe(args), f"{checkpoint} was written with {saved}, not {recipe(args)}; "
-                                         f"pass the same flags or another --checkpoint-dir")
-    processes = process_count(args.gpus or args.procs)
-    check(args.batch_size >= processes,
-          f"--batch-size {args.batch_size} is smaller than the {processes} processes; every process needs a shard")
-    data_folder = fashion_mnist_dir(args.data_dir)  # download (once) before the workers start
-    launch(run_worker, processes, args, data_folder)
 
 
 if __name__ == "__main__":
