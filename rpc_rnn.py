@@ -43,7 +43,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import optim
 from torch.distributed import rpc
-from torch.distributed.optim import DistributedOptimizer
 from torch.nn.utils import skip_init
 
 import common
@@ -231,6 +230,19 @@ class RNNModel(nn.Module):
 
 # Functions the trainer runs on the ps by RPC. Each receives an RRef that the ps owns.
 
+def settle(tensors):
+    """Wait until the GPU work queued on these tensors' devices has finished, whatever stream it was queued on.
+
+    TensorPipe runs every RPC on CUDA streams of its own (pytorch/pytorch#57960) and orders only the tensors a call
+    receives or returns. A call that writes tensors it does not return (an optimizer step, scaling gradients,
+    loading weights) could otherwise return before its writes are done, and a call that reads what another call
+    wrote (the gradients that backward left in the autograd context, the weights a step updated) could read them
+    early. Such calls settle the devices they touch first and last. Nothing to do on the CPU.
+    """
+    for device in {tensor.device for tensor in tensors if tensor.is_cuda}:
+        torch.cuda.synchronize(device)
+
+
 def build_on_owner(module_class, device, *args):
     return module_class(*args).to(device)
 
@@ -250,46 +262,100 @@ def set_training_on_owner(module_rref, mode):
 
 
 def state_dict_on_owner(module_rref):
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module_rref.local_value().state_dict().items()}
+    state = module_rref.local_value().state_dict()
+    settle(state.values())
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
 
 
 def load_state_dict_on_owner(module_rref, state):
-    module_rref.local_value().load_state_dict(state)
+    module = module_rref.local_value()
+    module.load_state_dict(state)
+    settle(module.parameters())
 
 
 def context_grads_on_owner(module_rref, context_id):
     grads = dist_autograd.get_gradients(context_id)
+    settle(grads.values())
     return {name: grads[param].cpu() for name, param in module_rref.local_value().named_parameters()
             if param in grads}
-
-
-def grad_square_sum_on_owner(context_id):
-    """Sum of squared gradient norms of every parameter this process owns in the autograd context."""
-    return sum(torch.linalg.vector_norm(grad).item() ** 2 for grad in dist_autograd.get_gradients(context_id).values())
-
-
-def scale_grads_on_owner(context_id, factor):
-    # get_gradients hands out the context's own tensors, the ones DistributedOptimizer.step reads: scaling
-    # them in place is what makes the clipping reach the optimizer.
-    for grad in dist_autograd.get_gradients(context_id).values():
-        grad.mul_(factor)
 
 
 def call_remote(module_rref, method, *args):
     return rpc.rpc_sync(module_rref.owner(), call_on_owner, args=(module_rref, method, torch.is_grad_enabled(), *args))
 
 
-def clip_global_grad_norm(context_id, owners, max_norm):
-    """clip_grad_norm_ over parameters spread on several processes: each owner reports the squared norm of its
-    gradients in the context, the caller adds them up, and every owner scales its gradients by the same factor.
-    Returns the norm before clipping."""
-    total_norm = math.sqrt(sum(rpc.rpc_sync(owner, grad_square_sum_on_owner, args=(context_id,))
-                               for owner in owners))
-    factor = max_norm / (total_norm + 1e-6)  # the same formula as torch.nn.utils.clip_grad_norm_
-    if factor < 1.0:
-        futures = [rpc.rpc_async(owner, scale_grads_on_owner, args=(context_id, factor)) for owner in owners]
-        torch.futures.wait_all(futures)
-    return total_norm
+class LocalOptimizer:
+    """Lives on every process that owns parameters (the ps and the trainer): a plain torch.optim optimizer over
+    them, stepped by RPC with the gradients of one distributed autograd context. It is what
+    torch.distributed.optim.DistributedOptimizer keeps on each owner, without TorchScript (deprecated), plus the
+    owner's two halves of global gradient clipping. Each method settles the device first and last."""
+
+    def __init__(self, optimizer_class, param_rrefs, **options):
+        self.params = [rref.local_value() for rref in param_rrefs]
+        self.optimizer = optimizer_class(self.params, **options)
+
+    def context_grads(self, context_id):
+        grads = dist_autograd.get_gradients(context_id)
+        return [grads[param] for param in self.params if param in grads]
+
+    def grad_square_sum(self, context_id):
+        """Sum of the squared norms of this owner's gradients in the context."""
+        grads = self.context_grads(context_id)
+        settle(grads)
+        return sum(torch.linalg.vector_norm(grad).item() ** 2 for grad in grads)
+
+    def scale_grads(self, context_id, factor):
+        # get_gradients hands out the context's own tensors, the ones step() reads: scaling them in place is what
+        # makes the clipping reach the update.
+        grads = self.context_grads(context_id)
+        settle(grads)
+        for grad in grads:
+            grad.mul_(factor)
+        settle(grads)
+
+    def step(self, context_id):
+        grads = dist_autograd.get_gradients(context_id)
+        settle(self.params)
+        for param in self.params:
+            param.grad = grads.get(param)
+        self.optimizer.step()
+        settle(self.params)
+
+    def set_lr(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+
+class DistributedOptimizer:
+    """Lives on the trainer: a LocalOptimizer on each owner of the parameters in param_rrefs (as
+    torch.distributed.optim.DistributedOptimizer(optimizer_class, param_rrefs, **options) would create), and
+    gradient clipping on the global norm over all of them."""
+
+    def __init__(self, optimizer_class, param_rrefs, **options):
+        by_owner = {}
+        for rref in param_rrefs:
+            by_owner.setdefault(rref.owner(), []).append(rref)
+        self.local_optimizers = [rpc.remote(owner, LocalOptimizer, args=(optimizer_class, rrefs), kwargs=options)
+                                 for owner, rrefs in by_owner.items()]
+
+    def _on_every_owner(self, method, *args):
+        return torch.futures.wait_all([getattr(rref.rpc_async(), method)(*args) for rref in self.local_optimizers])
+
+    def clip_grad_norm(self, context_id, max_norm):
+        """clip_grad_norm_ over parameters spread on several processes: each owner reports the squared norm of
+        its gradients in the context, the trainer adds them up, and every owner scales its gradients by the same
+        factor. Returns the norm before clipping."""
+        total_norm = math.sqrt(sum(self._on_every_owner("grad_square_sum", context_id)))
+        factor = max_norm / (total_norm + 1e-6)  # the same formula as torch.nn.utils.clip_grad_norm_
+        if factor < 1.0:
+            self._on_every_owner("scale_grads", context_id, factor)
+        return total_norm
+
+    def step(self, context_id):
+        self._on_every_owner("step", context_id)
+
+    def set_lr(self, lr):
+        self._on_every_owner("set_lr", lr)
 
 
 class DistributedRNNModel(nn.Module):
@@ -347,6 +413,7 @@ class DistributedRNNModel(nn.Module):
     def context_grads(self, context_id):
         """The gradients of one autograd context, from both processes, under RNNModel's names."""
         local = dist_autograd.get_gradients(context_id)
+        settle(local.values())
         grads = {f"rnn.{name}": local[param].cpu() for name, param in self.rnn.named_parameters() if param in local}
         for piece, rref in self.remote_pieces.items():
             grads.update({f"{piece}.{name}": grad for name, grad in
@@ -358,17 +425,13 @@ class DistributedRNNModel(nn.Module):
 # Roles: the trainer drives everything; the ps only answers RPCs
 # ---------------------------------------------------------------------------------------------------------
 
-def owners_of(param_rrefs):
-    return sorted({rref.owner().name for rref in param_rrefs})
-
-
-def train_step(model, optimizer, owners, input, targets, hidden, clip):
+def train_step(model, optimizer, input, targets, hidden, clip):
     """One window: forward and backward across both processes, global clipping, one SGD step on every owner.
     No zero_grad: each step's gradients live in its own autograd context, dropped when the context ends."""
     with dist_autograd.context() as context_id:
         loss, hidden = model.loss(input, targets, hidden)
         dist_autograd.backward(context_id, [loss])
-        clip_global_grad_norm(context_id, owners, clip)
+        optimizer.clip_grad_norm(context_id, clip)
         optimizer.step(context_id)
     return loss.item(), hidden
 
@@ -384,7 +447,7 @@ def evaluate(model, data, bptt, batch_size, device):
     return total / (data.size(0) - 1)
 
 
-def check_gradients(args, corpus, model, owners, device):
+def check_gradients(args, corpus, model, device):
     """Same weights, same batches, in one process and over RPC: report the largest differences of loss, clipped
     gradients and updated weights. Needs --dropout 0: the two runs draw their dropout masks differently."""
     local = RNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed)
@@ -400,7 +463,7 @@ def check_gradients(args, corpus, model, owners, device):
         with dist_autograd.context() as context_id:
             loss, hidden = model.loss(input.to(device), targets.to(device), hidden)
             dist_autograd.backward(context_id, [loss])
-            norms.append(clip_global_grad_norm(context_id, owners, args.clip))
+            norms.append(optimizer.clip_grad_norm(context_id, args.clip))
             grads = model.context_grads(context_id)
             optimizer.step(context_id)
         local_optimizer.zero_grad()
@@ -425,17 +488,14 @@ def run_trainer(args, corpus, device, ps_device):
     ntoken = len(corpus.words)
     model = DistributedRNNModel(ntoken, args.emsize, args.nhid, args.nlayers, args.dropout, args.seed, device,
                                 ps_device, args.ship_logits)
-    param_rrefs = model.parameter_rrefs()
-    owners = owners_of(param_rrefs)
     if args.check_gradients:
-        check_gradients(args, corpus, model, owners, device)
+        check_gradients(args, corpus, model, device)
         return
     train_data = batchify(corpus.train, args.batch_size, device)
     valid_data = batchify(corpus.valid, args.eval_batch_size, device)
     test_data = batchify(corpus.test, args.eval_batch_size, device)
     lr, best_valid, best_state = args.lr, math.inf, None
-    # Plain SGD keeps no state, so a fresh DistributedOptimizer with a lower lr continues the same run.
-    optimizer = DistributedOptimizer(optim.SGD, param_rrefs, lr=lr)
+    optimizer = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=lr)
     batches_per_epoch = math.ceil((train_data.size(0) - 1) / args.bptt)
     if args.max_batches:
         batches_per_epoch = min(batches_per_epoch, args.max_batches)
@@ -447,7 +507,7 @@ def run_trainer(args, corpus, device, ps_device):
         interval_loss, interval_start, interval_tokens = 0.0, time.perf_counter(), 0
         for batch in range(batches_per_epoch):
             input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
-            loss, hidden = train_step(model, optimizer, owners, input, targets, detach_hidden(hidden), args.clip)
+            loss, hidden = train_step(model, optimizer, input, targets, detach_hidden(hidden), args.clip)
             losses.append(loss)
             interval_loss += loss
             interval_tokens += targets.numel()
@@ -471,13 +531,14 @@ def run_trainer(args, corpus, device, ps_device):
                 save_checkpoint(args, corpus, best_state, valid_loss)
         else:
             lr /= 4
-            optimizer = DistributedOptimizer(optim.SGD, param_rrefs, lr=lr)
+            optimizer.set_lr(lr)
     if best_state is not None and valid_loss > best_valid:
         model.load_gathered_state_dict(best_state)  # test the model that was kept, as pytorch/examples does
     test_loss = evaluate(model, test_data, args.bptt, args.eval_batch_size, device)
     print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
     window = max(1, min(10, len(losses) // 4))
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=ntoken,
+                       devices={PS_NAME: str(ps_device), TRAINER_NAME: str(device)},
                        batches=len(losses), first_loss=sum(losses[:window]) / window,
                        last_loss=sum(losses[-window:]) / window, losses=[round(x, 6) for x in losses[:200]],
                        valid_loss=best_valid, valid_ppl=math.exp(min(best_valid, 50)), test_loss=test_loss,
@@ -522,6 +583,8 @@ def run_worker(info, args, corpus):
     torch.set_num_threads(common.usable_cpus())
     common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
     ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
+    if args.cuda and args.check_gradients:
+        common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
     if info.rank == 0:
         common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=[ps_device] if args.cuda else None)
     else:

@@ -12,8 +12,8 @@ import torch
 
 import common
 import rpc_rnn
-from conftest import (assert_all_ended, assert_usage_error, data_root, last_json, run_script, spawned_workers,
-                      start_script, wait_for_line)
+from conftest import (assert_all_ended, assert_usage_error, data_root, first_visible_gpu, last_json, needs_gpus,
+                      run_script, spawned_workers, start_script, wait_for_line)
 
 # Small enough for seconds per run on 2 cores, large enough that the loss has something to learn.
 SMALL = ["--emsize", "48", "--nhid", "48", "--batch-size", "10", "--bptt", "20"]
@@ -171,3 +171,27 @@ def test_bad_input_in_process(case, text_dir, empty_test_dir, tmp_path, monkeypa
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], lines
+
+
+@needs_gpus(1)
+def test_distributed_gradients_on_gpus_equal_one_cpu_process(text_dir):
+    """The ps and the trainer on GPUs (sharing one on a one-GPU machine), IEEE float32: the CUDA streams of the
+    RPC handlers are ordered, so clipping and the optimizer see the finished gradients. The GPU's kernels round
+    differently from the CPU's (gradients differ by ~3e-7); lr 1 keeps the weights' difference on that scale
+    (with lr 20 it is 20 times the gradients'), while a clipping that missed the update would still show."""
+    proc = run_script("rpc_rnn.py", "--data-dir", text_dir, "--cuda", "--check-gradients", "--dropout", "0",
+                      "--clip", "0.05", "--lr", "1", "--max-batches", "3", *SMALL, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    assert result["batches"] == 3 and min(result["grad_norms"]) > 0.05, result
+    assert max(result["max_grad_diff"], result["max_param_diff"], result["loss_diff"]) <= 1e-5, result
+
+
+@needs_gpus(1)
+def test_two_processes_share_one_gpu_and_learn(text_dir):
+    proc = run_script("rpc_rnn.py", "--data-dir", text_dir, *TRAIN, "--cuda", timeout=180,
+                      env={"CUDA_VISIBLE_DEVICES": first_visible_gpu()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    assert result["devices"] == {"ps": "cuda:0", "trainer": "cuda:0"}, result
+    assert result["last_loss"] < result["first_loss"] - 0.5, result
