@@ -426,9 +426,9 @@ def run_worker(info, args):
     if args.pin_cpus:
         pin_to_one_cpu(info)
     if info.rank == 0:
-        device = pick_device(args.cuda)
         init_rpc(info, AGENT_NAME, timeout_s=args.rpc_timeout)
-        run_agent(args, info.world_size, device)
+        # after the rendezvous: the first CUDA call can take seconds, which the observers would spend waiting
+        run_agent(args, info.world_size, pick_device(args.cuda))
     else:
         init_rpc(info, OBSERVER_NAME.format(info.rank), timeout_s=args.rpc_timeout)
     # observers serve the agent's RPCs until the agent is done and reaches this point too

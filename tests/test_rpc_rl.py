@@ -9,8 +9,8 @@ import numpy as np
 import psutil
 import torch
 
-from conftest import (assert_all_ended, assert_usage_error, last_json, run_script, spawned_workers, start_script,
-                      wait_for_line)
+from conftest import (assert_all_ended, assert_usage_error, last_json, needs_gpus, run_script, spawned_workers,
+                      start_script, wait_for_line)
 
 import rpc_rl
 
@@ -151,3 +151,11 @@ def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_different
     # identical until the update after that episode, which only the returns' treatment of it changes
     assert bootstrapped[:first + 1] == rewards[:first + 1]
     assert bootstrapped[first + 1:] != rewards[first + 1:first + 5]
+
+
+@needs_gpus(1)
+def test_the_policy_learns_on_a_gpu():
+    result = finish(start_rpc_rl("--cuda", "--max-episodes", 40, "--seed", 2))
+    assert result["device"] == "cuda:0"
+    rewards = [reward for (reward,) in result["episode_rewards"]]
+    assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
