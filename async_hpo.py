@@ -40,9 +40,11 @@ with other work, 12 min 5 s) ended with:
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -110,7 +112,7 @@ FIRST_CONFIG = {"learning_rate": 0.1, "batch_size": 128}  # the tutorial's initi
 POLL_INTERVAL_S = 0.1  # how long the tuner sleeps when all workers are busy: the delay before a free worker is reused
 HOLDOUT_SIZE = 10_000
 TRIAL_FLAG = f"--{ST_CONFIG_JSON_FNAME_ARG}"  # Syne Tune starts each trial with this flag
-STARTED_AT_FILE = "started_at"
+TRIAL_INFO_FILE = "trial.json"  # written by each trial: its start time, device and machine
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,20 +176,32 @@ def as_input(images):
 @torch.no_grad()
 def validation_error(model, images, labels, batch_size=2000):
     model.eval()
-    wrong = sum((model(as_input(x)).argmax(1) != y).sum().item()
-                for x, y in zip(images.split(batch_size), labels.split(batch_size)))
-    return wrong / len(labels)
+    wrong = sum((model(as_input(x)).argmax(1) != y).sum() for x, y in zip(images.split(batch_size), labels.split(batch_size)))
+    return wrong.item() / len(labels)
+
+
+def describe_device(device):
+    """What the trial ran on, in its own words: 'cpu', or the GPU's index, name and UUID as CUDA reports them."""
+    if device.type != "cuda":
+        return device.type
+    properties = torch.cuda.get_device_properties(device)
+    return f"{device} {properties.name} GPU-{properties.uuid}"
 
 
 def run_trial(config, trial_dir):
     """Train LeNet with config's learning rate and batch size; report validation_error after every epoch."""
     die_with_parent(config["tuner_pid"])
-    # This trial's own start time, next to the `end` stamp Syne Tune writes: the start of its busy interval
-    (trial_dir / STARTED_AT_FILE).write_text(repr(process_start_time()))
+    started_at = process_start_time()
     torch.set_num_threads(config["threads"])
     seed_everything(config["seed"])
     # With several GPUs, Syne Tune's backend has set CUDA_VISIBLE_DEVICES to this trial's GPU, so "cuda" is it
     device = torch.device(config["device"])
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    # The start of the trial's busy interval (Syne Tune stamps its end), and where it ran
+    info = {"started_at": started_at, "device": describe_device(device), "host": socket.gethostname()}
+    (trial_dir / TRIAL_INFO_FILE).write_text(json.dumps(info))
+    print(f"trial on {info['device']} | host {info['host']}", flush=True)
     train_x, train_y, val_x, val_y = (t.to(device) for t in load_split(
         config["data_folder"], config["holdout"], config["train_size"], config["seed"]))
     model = LeNet(config["activation"]).to(device)
@@ -195,16 +209,16 @@ def run_trial(config, trial_dir):
     report = Reporter()
     order = torch.Generator().manual_seed(config["seed"])
     for epoch in range(1, config["max_epochs"] + 1):
-        start, total_loss = time.perf_counter(), 0.0
+        start, total_loss = time.perf_counter(), torch.zeros((), device=device)
         model.train()
         for index in torch.randperm(len(train_x), generator=order).to(device).split(config["batch_size"]):
             loss = F.cross_entropy(model(as_input(train_x[index])), train_y[index])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            total_loss += loss.item() * len(index)
+            total_loss += loss.detach() * len(index)  # summed on the device: no host synchronisation per step
         error = validation_error(model, val_x, val_y)
-        print(f"epoch {epoch} | loss {total_loss / len(train_x):.3f} | val err {error:.4f} | "
+        print(f"epoch {epoch} | loss {total_loss.item() / len(train_x):.3f} | val err {error:.4f} | "
               f"{time.perf_counter() - start:.1f} s/epoch", flush=True)
         report(**{RESOURCE: epoch, METRIC: error})
 
@@ -245,6 +259,16 @@ class TrialProcesses(LocalBackend):
     def _prepare_for_schedule(self, num_gpus=None):
         # Syne Tune would count GPUs by running nvidia-smi and writing its output to ./std.out
         super()._prepare_for_schedule(num_gpus=cuda_device_count())
+
+    def _allocate_gpu(self, trial_id, env):
+        """Syne Tune gives a trial GPU i as CUDA_VISIBLE_DEVICES=i, an index among the tuner's visible GPUs; when
+        the tuner itself sees a subset (a cluster scheduler's allocation, GPU UUIDs, MIG instances), that is
+        entry i of the tuner's own CUDA_VISIBLE_DEVICES, not physical GPU i."""
+        super()._allocate_gpu(trial_id, env)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.rotate_gpus and visible:
+            entries = [entry.strip() for entry in visible.split(",")]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(entries[gpu] for gpu in self.trial_gpu[trial_id])
 
 
 class ProgressLog(TunerCallback):
@@ -381,8 +405,9 @@ def trial_outcomes(search, results, max_epochs):
             status = "stopped"  # early, by ASHA
         else:
             status = "cut off"  # still running when the budget ran out (or the run was interrupted)
-        started_file = search.path / str(trial_id) / STARTED_AT_FILE
-        busy_from = float(started_file.read_text()) if started_file.exists() else None
+        info_file = search.path / str(trial_id) / TRIAL_INFO_FILE
+        info = json.loads(info_file.read_text()) if info_file.exists() else {}
+        busy_from = info.get("started_at")
         if status == "cut off":
             busy_to = search.ended_at
         else:
@@ -394,6 +419,7 @@ def trial_outcomes(search, results, max_epochs):
             "val_err": float(reports[METRIC].iloc[-1]) if reports is not None else None,
             "best_err": float(reports[METRIC].min()) if reports is not None else None,
             "busy_s": busy_to - busy_from if busy_from is not None else 0.0,
+            "device": info.get("device"), "host": info.get("host"),
         })
     return rows
 
@@ -463,7 +489,7 @@ def report_search(args, search):
     print_table(rows)
     figures = plot_figures(experiment.results, search.started_at, search.path)
     emit_result("async_hpo", scheduler=args.scheduler, sync=args.sync, n_workers=args.n_workers,
-                **summarize(search, rows, args.n_workers), experiment=search.tuner.name,
+                **summarize(search, rows, args.n_workers), trials=rows, experiment=search.tuner.name,
                 results_dir=str(Path(args.results_dir).resolve()), figures={k: str(v) for k, v in figures.items()})
 
 

@@ -50,7 +50,8 @@ def sleeping_trial(argv):
     # async_hpo.py's trial helpers, repeated here so that a trial does not pay for importing torch
     ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
     uptime = float(Path("/proc/uptime").read_text().split()[0])
-    (config_file.parent / "started_at").write_text(repr(time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")))
+    started_at = time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    (config_file.parent / "trial.json").write_text(json.dumps({"started_at": started_at, "device": "cpu"}))
     if sys.platform.startswith("linux"):
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the tuner

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, assert_usage_error, data_root, last_json, start_script
+from conftest import OFFLINE, REPO, assert_usage_error, data_root, last_json, needs_gpus, start_script
 
 
 def import_keeping_environment(module):
@@ -28,8 +28,6 @@ def import_keeping_environment(module):
         os.environ.update(saved)
 
 QUICK = ["--limit-train", "2000", "--activation", "relu", "--max-wallclock-time", "400"]
-OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": ""}
 
 
 def trial_processes(results_dir, trial_id=None):
@@ -225,3 +223,38 @@ def test_holdout_validates_on_training_images_unseen_in_training():
     assert len(load_split(folder, True, 1000, seed=0)[0]) == 1000
     assert not load_split(folder, True, None, seed=1)[2].equal(val_x)  # the split follows the seed
     assert load_split(folder, False, None, seed=0)[2].equal(test_x)  # default: the 10k test split
+
+
+def test_a_trial_gets_the_tuners_gpu_not_the_physical_gpu_of_that_index(monkeypatch, tmp_path):
+    """Syne Tune numbers the GPUs it sees 0..n-1; under a scheduler that gave the tuner GPUs 5 and 7 (or UUIDs,
+    or MIG instances), trial GPU i must be entry i of the tuner's own CUDA_VISIBLE_DEVICES."""
+    async_hpo = import_keeping_environment("async_hpo")
+    monkeypatch.setattr(async_hpo, "cuda_device_count", lambda: 2)
+    for visible, expected in (("5,7", ["5", "7", "5"]), ("GPU-aa1,MIG-bb2", ["GPU-aa1", "MIG-bb2", "GPU-aa1"]),
+                              (None, ["0", "1", "0"])):
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        backend = async_hpo.TrialProcesses(entry_point=str(REPO / "async_hpo.py"), rotate_gpus=True)
+        backend._prepare_for_schedule()
+        given = []
+        for trial_id in range(3):  # a third trial shares a GPU with one of the first two
+            env = dict(os.environ)
+            backend._allocate_gpu(trial_id, env)
+            given.append(env["CUDA_VISIBLE_DEVICES"])
+        assert given[:2] == expected[:2] and given[2] in expected[:2], (visible, given)
+
+
+@needs_gpus(1)
+def test_cuda_trials_run_on_gpus(tmp_path, data_dir_args):
+    """Two trials at once (on a one-GPU machine, two processes sharing it). Where each ran is what the trial
+    itself reported."""
+    proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "1", "--max-trials", "2", "--cuda",
+                        "--results-dir", tmp_path)
+    code, out, err = finish(proc, 300)
+    assert code == 0, err
+    result = last_json(out)
+    devices = [trial["device"] for trial in result["trials"] if trial["status"] == "completed"]
+    assert len(devices) >= 2 and all(device.startswith("cuda:") and "GPU-" in device for device in devices), devices
+    assert result["best_validation_error"] < 0.8, result
