@@ -19,6 +19,8 @@ import hashlib
 import inspect
 import io
 import json
+import math
+import multiprocessing.connection
 import os
 import random
 import shutil
@@ -27,6 +29,9 @@ import socket
 import sys
 import tempfile
 import textwrap
+import threading
+import time
+import traceback
 import typing
 import urllib.request
 import warnings
@@ -37,13 +42,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
 
 class UsageError(Exception):
-    """An error the user can fix (a bad flag value, missing data offline, no GPU). Printed as one line."""
+    """An error the user can fix (a bad flag value, missing data offline, no GPU): one line, exit status 2."""
+    status = 2
+
+
+class RunFailed(Exception):
+    """A failure during the run that the user can act on (a full disk, a folder that became read-only): one line
+    that says what to do, exit status 1."""
+    status = 1
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -65,7 +76,8 @@ def _field_docs(cls):
 def parse_args(args_cls, argv=None):
     """Build an argparse parser from a dataclass (field docstrings become --help) and parse argv into it.
 
-    `bool` fields get --flag/--no-flag, `Literal[...]` fields get choices, `Optional[T]` fields default to None.
+    `bool` fields get --flag/--no-flag, `Literal[...]` fields get choices, `Optional[T]` fields default to None,
+    `float` fields refuse nan and inf.
     """
     module_doc = sys.modules[args_cls.__module__].__doc__ or ""
     parser = _OneLineParser(description=module_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,23 +95,60 @@ def parse_args(args_cls, argv=None):
             choices = typing.get_args(kind)
             parser.add_argument(flag, choices=choices, type=type(choices[0]), default=field.default, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=field.default, help=help_text)
+            parser.add_argument(flag, type=_finite_float if kind is float else kind, default=field.default,
+                                help=help_text)
     return args_cls(**vars(parser.parse_args(argv)))
 
 
+def _finite_float(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def run_main(main):
-    """Call main(); a UsageError becomes one line on stderr and exit status 2, with no traceback."""
+    """Call main(); a UsageError or RunFailed becomes one line on stderr and its exit status, with no traceback."""
     try:
         main()
-    except UsageError as error:
+    except (UsageError, RunFailed) as error:
         print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(error.status)
 
 
 def check(condition, message):
     """Raise UsageError(message) unless condition holds: one line per flag rule, read top to bottom."""
     if not condition:
         raise UsageError(message)
+
+
+def check_input_file(flag, path):
+    """A file the run will read must exist, be a regular file and be readable."""
+    path = Path(path)
+    check(path.exists(), f"{flag} {path}: no such file")
+    check(path.is_file(), f"{flag} {path}: is a folder, not a file; pass a file")
+    check(os.access(path, os.R_OK), f"{flag} {path}: cannot be read; fix its permissions or pass another file")
+
+
+def check_output_file(flag, path):
+    """A file the run will write (a plot, a checkpoint) needs a writable, existing folder and must not be a
+    folder itself: said before any work starts, not after it."""
+    path = Path(path)
+    folder = path.resolve().parent
+    check(not path.is_dir(), f"{flag} {path}: is a folder; pass a file name")
+    check(folder.is_dir(), f"{flag} {path}: folder {folder} does not exist; create it first")
+    check(os.access(folder, os.W_OK | os.X_OK), f"{flag} {path}: cannot write in {folder}; pass another path")
+    check(not path.exists() or os.access(path, os.W_OK), f"{flag} {path}: cannot be overwritten; pass another path")
+
+
+def check_output_dir(flag, path):
+    """A folder the run will write into (created if missing) must not be a file, and it, or the nearest folder
+    above it that exists, must be writable."""
+    path = Path(path).resolve()
+    check(not path.exists() or path.is_dir(), f"{flag} {path}: is a file; pass a folder")
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())
+    check(existing.is_dir(), f"{flag} {path}: {existing} is a file; pass another folder")
+    check(os.access(existing, os.W_OK | os.X_OK), f"{flag} {path}: cannot write in {existing}; pass another folder")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -127,12 +176,6 @@ def launched_by_torchrun():
 def process_count(spawned):
     """The number of processes of this run: torchrun's WORLD_SIZE under torchrun, else `spawned`."""
     return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else spawned
-
-
-def check_output_file(flag, path):
-    """A file the run will write (a plot, a checkpoint) must have an existing folder: say so before training."""
-    folder = Path(path).resolve().parent
-    check(folder.is_dir(), f"{flag} {path}: folder {folder} does not exist; create it first")
 
 
 def usable_cpus():
@@ -172,15 +215,97 @@ def die_with_parent(parent_pid):
         raise SystemExit("the process that started this one is gone")
 
 
-def _spawned_worker(local_rank, worker, world_size, init_method, launcher_pid, args):
+HEARTBEAT_S = 1.0  # how often a spawned process tells the launcher it is alive
+STARTUP_S = 60.0  # allowed before a process's first heartbeat (imports, under load)
+
+
+def _heartbeat(beats, index, finished):
+    """Stamp this process's slot in `beats` every HEARTBEAT_S seconds until `finished` is set. A process that is
+    stopped (SIGSTOP) or frozen stops stamping, which is how the launcher tells it is silent."""
+    beats[index] = time.monotonic()
+    while not finished.wait(HEARTBEAT_S):
+        beats[index] = time.monotonic()
+
+
+def _spawned_worker(local_rank, worker, world_size, init_method, launcher_pid, beats, run_dir, args):
     die_with_parent(launcher_pid)
+    finished = threading.Event()
+    threading.Thread(target=_heartbeat, args=(beats, local_rank, finished), daemon=True).start()
     torch.set_num_threads(max(1, usable_cpus() // world_size))
     info = DistInfo(local_rank, world_size, local_rank, world_size, init_method)
-    worker(info, *args)
+    try:
+        worker(info, *args)
+    except (UsageError, RunFailed) as error:  # its one line, said here; the launcher then adds nothing
+        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+        Path(run_dir, f"reported-{local_rank}").write_text(str(error.status))
+        sys.exit(error.status)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process; the launcher reports it once
+        sys.exit(130)
+    except Exception:
+        if _reported(run_dir) is None:  # else a peer failed first, and what this process hit next is noise
+            print(f"process {local_rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
+            Path(run_dir, f"reported-{local_rank}").write_text("1")
+        sys.exit(1)
+    finally:
+        finished.set()
 
 
-def launch(worker, world_size, *args):
-    """Run worker(info: DistInfo, *args) on world_size processes (or this one, under torchrun)."""
+def _reported(run_dir):
+    """The exit status of a process that has reported its failure in one line, or None."""
+    reports = sorted(Path(run_dir).glob("reported-*"))
+    return int(reports[0].read_text() or 1) if reports else None
+
+
+def _supervise(processes, beats, silent_after, run_dir):
+    """Wait until every process has ended. The first one that fails, or that sends no heartbeat for silent_after
+    seconds (stopped, or frozen), ends the run: returns (message, exit status), or None when all succeeded.
+    The message is empty when the process has said what went wrong itself."""
+    running = {process.sentinel: rank for rank, process in enumerate(processes)}
+    started = time.monotonic()
+    while running:
+        ended = [running.pop(sentinel) for sentinel in multiprocessing.connection.wait(list(running), HEARTBEAT_S)]
+        for rank in ended:
+            processes[rank].join()
+        # A process killed by a signal cannot say so itself, and its peers' errors are only the consequence.
+        for rank in ended:
+            if processes[rank].exitcode < 0:
+                return f"process {rank} terminated with signal {signal.Signals(-processes[rank].exitcode).name}", 1
+        for rank in ended:
+            code = processes[rank].exitcode
+            if code:
+                reported = _reported(run_dir)
+                return ("", reported) if reported else (f"process {rank} failed with exit status {code}", code)
+        now = time.monotonic()
+        for rank in running.values():
+            last = beats[rank]
+            silent = now - max(last, started)
+            limit = silent_after + (STARTUP_S if last < started else 0.0)
+            # A stopped process is named at once; one that still runs but is silent may only be starved of CPU
+            # by other work on the machine, so it gets three times as long.
+            stopped = _process_state(processes[rank].pid) in ("T", "t")
+            if silent > limit and (stopped or silent > 3 * limit):
+                return (f"process {rank} (pid {processes[rank].pid}) sent no sign of life for {silent:.0f} s "
+                        f"({'stopped' if stopped else 'hung'})"), 1
+    return None
+
+
+def _process_state(pid):
+    """The state letter Linux reports for a process (R running, S sleeping, T stopped, ...), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def launch(worker, world_size, *args, timeout=60.0):
+    """Run worker(info: DistInfo, *args) on world_size processes (or this one, under torchrun).
+
+    Spawned here, the processes are watched: a process that fails, or is stopped (SIGSTOP) and silent for
+    timeout / 2 seconds (before the backends' own timeouts fire in its peers and blame nobody in particular), or is
+    silent for 1.5 x timeout, ends the run: the others are killed, the silent one included, and one line names the
+    culprit. A UsageError or RunFailed in a process is its one line and exit status, as in the launcher. Under
+    torchrun, torchrun watches the processes.
+    """
     if launched_by_torchrun():
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, usable_cpus() // local_world_size))
@@ -193,19 +318,32 @@ def launch(worker, world_size, *args):
         for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, loopback)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    rendezvous_dir = tempfile.mkdtemp(prefix="rendezvous-")
+    context = mp.get_context("spawn")
+    beats = context.Array("d", world_size, lock=False)  # one heartbeat stamp per process, in shared memory
+    run_dir = tempfile.mkdtemp(prefix="rendezvous-")  # private: the rendezvous file and the processes' reports
+    init_method = f"file://{run_dir}/store"
+    processes = [context.Process(target=_spawned_worker, name=f"rank {rank}",
+                                 args=(rank, worker, world_size, init_method, os.getpid(), beats, run_dir, args))
+                 for rank in range(world_size)]
     try:
-        mp.spawn(_spawned_worker, args=(worker, world_size, f"file://{rendezvous_dir}/store", os.getpid(), args),
-                 nprocs=world_size, join=True)
-    except mp.ProcessRaisedException as error:
-        # The child's traceback is part of the message; spawn has already terminated the other processes.
-        print(error, file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except mp.ProcessExitedException as error:
-        print(f"error: {error}; the other processes were stopped", file=sys.stderr, flush=True)
-        raise SystemExit(error.exit_code if error.exit_code and error.exit_code > 0 else 1) from None
+        for process in processes:
+            process.start()
+        failure = _supervise(processes, beats, timeout / 2, run_dir)
+    except KeyboardInterrupt:
+        failure = "interrupted", 130
     finally:
-        shutil.rmtree(rendezvous_dir, ignore_errors=True)
+        for process in processes:
+            if process.is_alive():
+                process.kill()  # SIGKILL: also ends a stopped process, which would never act on SIGTERM
+        for process in processes:
+            if process.pid is not None:
+                process.join()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if failure:
+        message, status = failure
+        if message:
+            print(f"error: {message}; the other processes were stopped", file=sys.stderr, flush=True)
+        raise SystemExit(status)
 
 
 def init_process_group(info, backend, timeout_s=60.0, device_id=None):
@@ -290,24 +428,90 @@ def md5(data):
 
 
 def write_atomic(path, data):
-    """Write bytes so that readers see the old file or the whole new one, never a partial one."""
+    """Write bytes so that readers see the old file or the whole new one, never a partial one: a temporary file
+    in the same folder, flushed to disk, then renamed over the old one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
 
 
-def save_atomic(obj, path):
-    """torch.save through write_atomic: a crash mid-save leaves the previous file intact."""
+def save_atomic(obj, path, flag=None):
+    """torch.save through write_atomic. A write that fails (disk full, a file-size limit, a folder that became
+    read-only) keeps the previous file and raises RunFailed saying what to do (`flag` names the option that
+    chose the path)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, buffer.getvalue())
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, buffer.getvalue())
+    except OSError as error:
+        where = f"pass another {flag}" if flag else "write it elsewhere"
+        raise RunFailed(f"cannot write {path} ({error.strerror or error}); free space on that disk, lift the "
+                        f"file-size limit or {where}; the previous file, if any, is intact") from None
+
+
+def content_digest(value):
+    """sha256 of a checkpoint's contents, in order: dict keys, tensors (dtype, shape and bytes), other values by
+    repr. Stored in the checkpoint, it lets a load tell a damaged file from a good one (torch.load alone
+    accepts a file whose tensor bytes were changed)."""
+    digest = hashlib.sha256()
+
+    def feed(item):
+        if isinstance(item, torch.Tensor):
+            tensor = item.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"tensor {tensor.dtype} {tuple(item.shape)}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+        elif isinstance(item, dict):
+            digest.update(f"dict {len(item)}".encode())
+            for key, entry in item.items():
+                feed(key)
+                feed(entry)
+        elif isinstance(item, (list, tuple)):
+            digest.update(f"{type(item).__name__} {len(item)}".encode())
+            for entry in item:
+                feed(entry)
+        else:
+            digest.update(repr(item).encode())
+
+    feed(value)
+    return digest.hexdigest()
+
+
+def save_checkpoint(path, script, state, flag=None):
+    """Write `state` (a dict) as a checkpoint of `script`: torch.save of the dict plus the script's name and the
+    content_digest of the state, atomically (see save_atomic). torch.load(path)["key"] still reads it."""
+    save_atomic({**state, "script": script, "sha256": content_digest(state)}, path, flag)
+
+
+def load_checkpoint(path, script, flag, keys=()):
+    """The state that save_checkpoint wrote for `script`, verified: a file that is truncated, damaged, written
+    by another script or lacking one of `keys` is a UsageError in one line, never a traceback."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, garbage, a tensor type the safe loader refuses: the file is bad
+        reason = str(error).strip().split(". ")[0].splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(f"{flag} {path}: not a readable checkpoint ({reason}); pass a checkpoint written by "
+                         f"{script}.py or delete it") from None
+    check(isinstance(saved, dict) and "sha256" in saved and "script" in saved,
+          f"{flag} {path}: not a checkpoint written by {script}.py; pass one of its checkpoints")
+    check(saved["script"] == script, f"{flag} {path}: a checkpoint of {saved['script']}.py, not of {script}.py; "
+                                     f"pass one of {script}.py's checkpoints")
+    state = {key: value for key, value in saved.items() if key not in ("script", "sha256")}
+    check(content_digest(state) == saved["sha256"],
+          f"{flag} {path}: damaged (its contents do not match the checksum saved with them); delete it or pass "
+          f"another checkpoint")
+    missing = [key for key in keys if key not in state]
+    check(not missing, f"{flag} {path}: lacks {', '.join(missing)}; it was written by another version of "
+                       f"{script}.py: pass a newer checkpoint")
+    return state
 
 
 def _download(urls, timeout_s=60.0):
@@ -342,6 +546,8 @@ def fetch_dataset(data_dir, subdir, files, mirrors, checksum):
     target = candidates[0]
     names = ", ".join(files)
     for name, expected in files.items():
+        check(not (target / name).is_dir(), f"{target / name} is a folder, not the data file; remove it or pass "
+                                            f"another --data-dir")
         if (target / name).is_file():
             continue
         try:
@@ -382,7 +588,11 @@ def fashion_mnist_dir(data_dir=None, mirrors=FASHION_MNIST_MIRRORS):
 
 
 def _read_idx(path, expected_md5):
-    raw = gzip.decompress(Path(path).read_bytes())
+    try:
+        raw = gzip.decompress(Path(path).read_bytes())
+    except (OSError, EOFError) as error:
+        raise UsageError(f"{path} is unreadable or not gzip data ({error}); delete it to download it again, or "
+                         f"pass another --data-dir") from None
     check(md5(raw) == expected_md5, f"{path} is corrupt (md5 mismatch); delete it to download it again")
     ndim = raw[3]
     shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]

@@ -35,9 +35,28 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from common import (check, check_output_file, cuda_device_count, emit_result, fashion_mnist_dir, gpu_per_process_problem,
-                    init_process_group, launch, launched_by_torchrun, load_fashion_mnist, local_gpu_index,
-                    local_process_count, parse_args, pick_device, process_count, run_main, save_atomic, set_tf32)
+from common import (
+    check,
+    check_output_dir,
+    check_output_file,
+    cuda_device_count,
+    emit_result,
+    fashion_mnist_dir,
+    gpu_per_process_problem,
+    init_process_group,
+    launch,
+    launched_by_torchrun,
+    load_checkpoint,
+    load_fashion_mnist,
+    local_gpu_index,
+    local_process_count,
+    parse_args,
+    pick_device,
+    process_count,
+    run_main,
+    save_checkpoint,
+    set_tf32,
+)
 
 
 @dataclasses.dataclass
@@ -106,12 +125,16 @@ def validate(args):
     if args.plot:
         check_output_file("--plot", args.plot)
     if args.checkpoint_dir:
-        check(not Path(args.checkpoint_dir).exists() or Path(args.checkpoint_dir).is_dir(),
-              f"--checkpoint-dir {args.checkpoint_dir} is a file; pass a folder")
-        saved = read_checkpoint(checkpoint_path(args)) if args.resume else None
+        check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        check(not checkpoint_path(args).is_dir(), f"--checkpoint-dir {args.checkpoint_dir}: {checkpoint_path(args)} "
+                                                  f"is a folder; remove it or pass another --checkpoint-dir")
+        saved = read_checkpoint(args)
         check(saved is None or saved["recipe"] == recipe(args),
               f"{checkpoint_path(args)} was written with {saved and saved['recipe']}, not {recipe(args)}; pass the "
               f"same flags or another --checkpoint-dir")
+        check(saved is None or len(saved["history"]) <= args.epochs,
+              f"{checkpoint_path(args)} holds {len(saved['history']) if saved else 0} epochs, more than --epochs "
+              f"{args.epochs}; pass a larger --epochs or another --checkpoint-dir")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,17 +345,17 @@ def evaluate(forward, images, labels, rank, world_size, batch_size=2048):
     return correct.item() / len(labels)
 
 
-def run_worker(info, args, data_folder):
+def run_worker(info, args, data):
     rank, world_size = info.rank, info.world_size
     device = pick_device(args.gpus > 0, local_gpu_index(info.local_rank))
     if device.type == "cuda":
         set_tf32(args.tf32)
     init_process_group(info, "nccl" if device.type == "cuda" else "gloo", args.timeout,
                        device_id=device if device.type == "cuda" else None)
-    data = load_to_device(data_folder, args.limit_train, device)
+    data = to_device(data, args.limit_train, device)
 
     flat_params = init_params(args.seed).to(device)  # same seed on every rank: identical starting copies
-    state = load_checkpoint(checkpoint_path(args), rank) if args.resume else None
+    state = broadcast_checkpoint(args, rank)
     if state is not None:
         flat_params.copy_(state["params"])
     history = state["history"] if state else []
@@ -354,7 +377,7 @@ def run_worker(info, args, data_folder):
         if rank == 0:
             print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
                   f"{seconds:.2f} s/epoch | {len(data[0]) / seconds / 1000:.1f}k samples/s", flush=True)
-            save_checkpoint(args, model.flat(), history)
+            write_checkpoint(args, model.flat(), history)
     if rank == 0:
         report(args, history, world_size, device, len(data[0]), resumed_after=len(state["history"]) if state else 0)
     dist.destroy_process_group()
@@ -363,18 +386,18 @@ def run_worker(info, args, data_folder):
 def main():
     args = parse_args(Args)
     validate(args)
-    data_folder = fashion_mnist_dir(args.data_dir)  # download (once) before the workers start
-    launch(run_worker, process_count(args.gpus or args.procs), args, data_folder)
+    data = load_fashion_mnist(fashion_mnist_dir(args.data_dir))  # downloaded once and verified, before any worker
+    launch(run_worker, process_count(args.gpus or args.procs), args, data, timeout=args.timeout)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Beyond the tutorial: the data on the device, CUDA graphs
 # ---------------------------------------------------------------------------------------------------------
 
-def load_to_device(data_folder, limit_train, device):
+def to_device(data, limit_train, device):
     """(train images, train labels, test images, test labels), all on the device, images as floats [N, 1, 28, 28]
     in [0, 1]: a step then needs no loader, no host copy and no conversion, only an index."""
-    train_x, train_y, test_x, test_y = load_fashion_mnist(data_folder)
+    train_x, train_y, test_x, test_y = data
     if limit_train:
         train_x, train_y = train_x[:limit_train], train_y[:limit_train]
     return (train_x.to(device).unsqueeze(1).float().div_(255), train_y.to(device),
@@ -441,24 +464,29 @@ def checkpoint_path(args):
     return Path(args.checkpoint_dir) / "multi_gpu.pt" if args.checkpoint_dir else None
 
 
-def read_checkpoint(path):
-    return torch.load(path, weights_only=True) if path and path.exists() else None
+def read_checkpoint(args):
+    """The checkpoint in --checkpoint-dir when resuming and there is one, verified (see common.load_checkpoint)."""
+    path = checkpoint_path(args)
+    if not (args.resume and path.exists()):
+        return None
+    return load_checkpoint(path, "multi_gpu", "--resume", keys=("params", "history", "recipe"))
 
 
-def load_checkpoint(path, rank):
+def broadcast_checkpoint(args, rank):
     """Rank 0 reads the checkpoint and broadcasts it, so only rank 0 needs the file (also across nodes).
     The shuffling of epoch e depends on the seed and e alone, so the parameters and the history are all a
     resumed run needs to continue as if it had never stopped."""
-    state = [read_checkpoint(path) if rank == 0 else None]
+    state = [read_checkpoint(args) if rank == 0 else None]
     dist.broadcast_object_list(state, src=0)
     return state[0]
 
 
-def save_checkpoint(args, flat_params, history):
-    """After every epoch, by rank 0, written atomically (a crash mid-save keeps the previous checkpoint)."""
+def write_checkpoint(args, flat_params, history):
+    """After every epoch, by rank 0, atomically: a failed write keeps the previous checkpoint."""
     if args.checkpoint_dir:
-        save_atomic({"epoch": len(history), "params": flat_params.cpu(), "history": history, "recipe": recipe(args)},
-                    checkpoint_path(args))
+        save_checkpoint(checkpoint_path(args), "multi_gpu", {"epoch": len(history), "params": flat_params.cpu(),
+                                                             "history": history, "recipe": recipe(args)},
+                        "--checkpoint-dir")
 
 
 def report(args, history, world_size, device, n_train, resumed_after):

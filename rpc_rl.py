@@ -458,7 +458,7 @@ def main():
     for flag, path in (("--save", args.save), ("--plot", args.plot)):
         if path:
             check_output_file(flag, path)
-    launch(run_worker, processes, args)
+    launch(run_worker, processes, args, timeout=args.rpc_timeout)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ process and reports the largest difference of the (clipped) gradients and of the
 Commands:
     python rpc_rnn.py --data-dir ../shared/data                   # CPU, 2 processes, classic recipe
     python rpc_rnn.py --data-dir ../shared/data --epochs 1 --max-batches 200 --emsize 64 --nhid 64
-    python rpc_rnn.py --cuda --epochs 6 --save lm.pt              # embedding+decoder on the ps GPU, LSTM on the trainer's
+    python rpc_rnn.py --cuda --epochs 6 --save lm.pt              # embedding + decoder on a GPU, LSTM on another
     python rpc_rnn.py --generate 100 --load lm.pt                 # sample 100 words, one process, no RPC
     python rpc_rnn.py --check-gradients --dropout 0 --clip 0.05   # distributed vs one-process gradients
     torchrun --standalone --nproc_per_node=2 rpc_rnn.py --data-dir ../shared/data
@@ -120,7 +120,7 @@ class Corpus:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
-            raise UsageError(f"cannot read {path} ({error}); pass a --data-dir with readable UTF-8 text files")
+            raise UsageError(f"cannot read {path} ({error}); pass a --data-dir with UTF-8 text files") from None
         ids = []
         for line in text.splitlines():
             for word in line.split() + ["<eos>"]:
@@ -635,7 +635,7 @@ def main():
         check(getattr(corpus, name).numel() // args.eval_batch_size >= 2,
               f"{name}.txt has {getattr(corpus, name).numel()} tokens, too few for "
               f"--eval-batch-size {args.eval_batch_size}")
-    common.launch(run_worker, 2, args, corpus)
+    common.launch(run_worker, 2, args, corpus, timeout=args.rpc_timeout)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 
 Each size is timed in interleaved rounds (tutorial, ring, builtin, tutorial, ...), so that a change in the
 machine's load hits all three alike; a round times enough back-to-back calls (3e6 floats' worth) that the
-processes' skew when leaving the barrier does not count; the figure is the median of the rounds. Prints one table row per size
-with milliseconds per call and the ratio to builtin, then one JSON line.
+processes' skew when leaving the barrier does not count; the figure is the median of the rounds. Prints one table row
+per size with milliseconds per call and the ratio to builtin, then one JSON line.
 """
 
 import dataclasses
@@ -55,8 +55,9 @@ def run_worker(info, args):
         rows.append({"floats": size, **{f"{name}_ms": ms for name, ms in medians.items()},
                      **{f"{name}_vs_builtin": ms / medians["builtin"] for name, ms in medians.items()}})
         if info.rank == 0:
-            print(f"{size:>10,} floats | tutorial {medians['tutorial']:8.2f} ms ({rows[-1]['tutorial_vs_builtin']:.2f}x)"
-                  f" | ring {medians['ring']:8.2f} ms ({rows[-1]['ring_vs_builtin']:.2f}x)"
+            row = rows[-1]
+            print(f"{size:>10,} floats | tutorial {medians['tutorial']:8.2f} ms ({row['tutorial_vs_builtin']:.2f}x)"
+                  f" | ring {medians['ring']:8.2f} ms ({row['ring_vs_builtin']:.2f}x)"
                   f" | builtin {medians['builtin']:8.2f} ms", flush=True)
     if info.rank == 0:
         emit_result("bench_allreduce", procs=info.world_size, rows=rows)

@@ -5,14 +5,29 @@ import functools
 import http.server
 import multiprocessing
 import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from typing import Literal, Optional
 
 import pytest
 import torch
 
 import common
-from conftest import LOOPBACK_DIRECT, OFFLINE, data_root
+from conftest import (
+    LOOPBACK_DIRECT,
+    OFFLINE,
+    REPO,
+    assert_all_ended,
+    data_root,
+    spawned_workers,
+    start_script,
+    wait_for_line,
+)
 
 FASHION = data_root() / "fashion-mnist" if data_root() else None
 WIKITEXT = data_root() / "wikitext-2" if data_root() else None
@@ -134,3 +149,79 @@ def test_pin_to_one_cpu_only_when_there_is_a_cpu_for_every_local_process():
     assert pinned(0, len(cpus)) == (cpus[0], [cpus[0]])
     assert pinned(len(cpus) - 1, len(cpus)) == (cpus[-1], [cpus[-1]])
     assert pinned(0, len(cpus) + 1) == (None, cpus)  # too few CPUs: placement is left to the OS
+
+
+RAISING_WORKER = textwrap.dedent("""
+    import sys, time, torch, torch.distributed as dist
+    sys.path.insert(0, {repo!r})
+    from common import init_process_group, launch
+
+    def worker(info):
+        init_process_group(info, "gloo", 60)
+        if info.rank == 1:
+            raise ValueError("a bug in process 1")
+        dist.barrier()  # process 0 waits for process 1, which never comes
+
+    if __name__ == "__main__":
+        launch(worker, 2, timeout=60)
+""")
+
+
+def test_a_process_that_raises_ends_the_run_with_its_traceback(tmp_path):
+    script = tmp_path / "raising.py"
+    script.write_text(RAISING_WORKER.format(repo=str(REPO)))
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert time.monotonic() - started < 30  # not the 60 s the barrier would wait
+    assert proc.stderr.startswith("process 1 failed:\nTraceback"), proc.stderr
+    assert proc.stderr.count("Traceback") == 1, proc.stderr  # process 0's broken connection is not news
+    assert proc.stderr.strip().splitlines()[-1] == "ValueError: a bug in process 1"
+
+
+SLEEPING_WORKERS = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from common import launch
+
+    def worker(info):
+        print("started", info.rank, flush=True)
+        time.sleep(120)
+
+    if __name__ == "__main__":
+        launch(worker, 2, timeout=6)
+""")
+
+
+@pytest.fixture
+def sleeping_run(tmp_path):
+    """A launcher with two spawned processes that do nothing for two minutes, and its processes."""
+    script = tmp_path / "sleeping.py"
+    script.write_text(SLEEPING_WORKERS.format(repo=str(REPO)))
+    proc = start_script(script)
+    try:
+        for _ in range(2):
+            wait_for_line(proc, "started", timeout=60)
+        yield proc, spawned_workers(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stopped_process_ends_the_run_named_within_the_timeout(sleeping_run):
+    proc, workers = sleeping_run
+    stopped_at = time.monotonic()
+    workers[1].send_signal(signal.SIGSTOP)
+    proc.wait(timeout=30)
+    assert 3 <= time.monotonic() - stopped_at < 6 + 5  # silent for timeout / 2 = 3 s, plus a margin
+    assert proc.returncode == 1
+    assert re.fullmatch(rf"error: process 1 \(pid {workers[1].pid}\) sent no sign of life for [3-9] s \(stopped\); "
+                        r"the other processes were stopped", proc.stderr.read().strip())
+    assert_all_ended(workers, timeout=5)  # the stopped one included
+
+
+def test_a_killed_launcher_takes_its_processes_with_it(sleeping_run):
+    proc, workers = sleeping_run
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert_all_ended(workers, timeout=5)

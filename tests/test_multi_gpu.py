@@ -1,6 +1,7 @@
 """multi_gpu.py: every allreduce learns and equals one process; resume; torchrun; GPUs; failures end the run."""
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -13,8 +14,21 @@ import torch
 
 import common
 import multi_gpu
-from conftest import (OFFLINE, REPO, assert_all_ended, assert_usage_error, data_root, flags, gpu_count,
-                      last_json, needs_gpus, run_script, spawned_workers, start_script, wait_for_line)
+from conftest import (
+    OFFLINE,
+    REPO,
+    assert_all_ended,
+    assert_usage_error,
+    data_root,
+    flags,
+    gpu_count,
+    last_json,
+    needs_gpus,
+    run_script,
+    spawned_workers,
+    start_script,
+    wait_for_line,
+)
 
 # Small enough for seconds on 2 cores, and 512 steps: the tutorial's initialisation sits at chance level (0.1)
 # for a few hundred steps, and how many depends on the seed and on rounding (seeds 0-9 of this recipe reach
@@ -254,23 +268,26 @@ def test_killed_worker_ends_the_run_and_leaves_no_orphans_and_sockets_are_loopba
         proc.kill()
 
 
-def test_worker_raising_ends_the_run(tmp_path):
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one(tmp_path):
+    """The disk fills up after epoch 1 (a file-size limit of 1 kB put on rank 0, which writes the checkpoints):
+    one line that says what to do, exit status 1, and epoch 1's checkpoint still loads."""
     checkpoint_dir = tmp_path / "checkpoints"
     proc = start_long_run(checkpoint_dir=checkpoint_dir)
     try:
         wait_for_line(proc, "epoch 1 |")
+        deadline = time.monotonic() + 60
+        while not (checkpoint_dir / "multi_gpu.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # rank 0 writes epoch 1's checkpoint right after its log line
         workers = spawned_workers(proc)
-        # Rank 0 saves a checkpoint after every epoch: turning its folder into a file makes the next save raise.
-        for path in checkpoint_dir.iterdir():
-            path.unlink()
-        checkpoint_dir.rmdir()
-        checkpoint_dir.write_text("not a folder")
-        proc.wait(timeout=60)
-        assert proc.returncode == 1
+        resource.prlimit(workers[0].pid, resource.RLIMIT_FSIZE, (1000, 1000))
+        proc.wait(timeout=120)
         stderr = proc.stderr.read()
-        # rank 0's error is shown (FileExistsError or NotADirectoryError, depending on where the save was)
-        assert "Traceback" in stderr and f"'{checkpoint_dir}" in stderr, stderr
-        assert_all_ended(workers, timeout=1)
+        assert proc.returncode == 1, stderr
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+        assert "cannot write" in stderr and "free space" in stderr and "--checkpoint-dir" in stderr, stderr
+        saved = common.load_checkpoint(checkpoint_dir / "multi_gpu.pt", "multi_gpu", "--resume")
+        assert saved["epoch"] >= 1 and [p.name for p in checkpoint_dir.iterdir()] == ["multi_gpu.pt"]
+        assert_all_ended(workers, timeout=5)
     finally:
         proc.kill()
 

@@ -12,8 +12,18 @@ import torch
 
 import common
 import rpc_rnn
-from conftest import (assert_all_ended, assert_usage_error, data_root, first_visible_gpu, last_json, needs_gpus,
-                      run_script, spawned_workers, start_script, wait_for_line)
+from conftest import (
+    assert_all_ended,
+    assert_usage_error,
+    data_root,
+    first_visible_gpu,
+    last_json,
+    needs_gpus,
+    run_script,
+    spawned_workers,
+    start_script,
+    wait_for_line,
+)
 
 # Small enough for seconds per run on 2 cores, large enough that the loss has something to learn.
 SMALL = ["--emsize", "48", "--nhid", "48", "--batch-size", "10", "--bptt", "20"]
@@ -119,7 +129,7 @@ def test_ps_death_ends_the_run(text_dir):
         # The launcher saw the ps (process 0) die, or the trainer's RPC to it failed first: either way the ps
         # was the process killed, and the trainer did not outlive it.
         assert ("process 0 terminated with signal SIGKILL" in stderr
-                or ("Process 1 terminated with the following error" in stderr and "RPC" in stderr)), stderr[-2000:]
+                or ("process 1 failed" in stderr and "RPC" in stderr)), stderr[-2000:]
         assert_all_ended(everyone, timeout=10)
     finally:
         if launcher.poll() is None:
