@@ -122,8 +122,9 @@ class TutorialAgent:
         self.rewards[ob_id].append(reward)
 
     def run_episode(self):
+        """One episode on every observer; returns the observers' episode rewards (CartPole pays 1 per step)."""
         futures = [ob_rref.rpc_async().run_episode(self.agent_rref) for ob_rref in self.ob_rrefs]
-        return sum(future.wait() for future in futures)
+        return [future.wait() for future in futures]
 
     def finish_episode(self):
         returns, log_probs = [], []
@@ -142,19 +143,27 @@ class TutorialAgent:
         self.optimizer.step()
 
 
-def tutorial_worker(info, episodes, seed, result_path):
+def tutorial_worker(info, episodes, seed, result_path, until_solved=False):
+    """Train for `episodes` episodes, or with until_solved, stop as soon as the tutorial's running reward,
+    0.05 * (smallest observer reward) + 0.95 * previous, passes 475 (CartPole-v1's threshold)."""
     torch.set_num_threads(1)  # same as rpc_rl.py, so the comparison is about the protocol
     pin_to_one_cpu(info)
     if info.rank == 0:
         init_rpc(info, AGENT_NAME)
         agent = TutorialAgent(info.world_size, seed)
-        env_steps, start = 0, time.perf_counter()
-        for _ in range(episodes):
-            env_steps += agent.run_episode()
+        env_steps, running_reward, solved, start = 0, 0.0, False, time.perf_counter()
+        for episode in range(1, episodes + 1):
+            rewards = agent.run_episode()
             agent.finish_episode()
+            env_steps += sum(rewards)
+            running_reward = 0.05 * min(rewards) + (1 - 0.05) * running_reward
+            if until_solved and running_reward > gym.spec(ENV_ID).reward_threshold:
+                solved = True
+                break
         wall_time = time.perf_counter() - start
         Path(result_path).write_text(json.dumps({"env_steps": env_steps, "wall_time_s": wall_time,
-                                                 "steps_per_s": env_steps / wall_time}))
+                                                 "steps_per_s": env_steps / wall_time, "episodes": episode,
+                                                 "solved": solved}))
     else:
         init_rpc(info, OBSERVER_NAME.format(info.rank))
     rpc.shutdown()
@@ -172,10 +181,10 @@ def run_rpc_rl(*args, timeout=900):
     return json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
 
 
-def run_tutorial(observers, episodes, seed):
+def run_tutorial(observers, episodes, seed, until_solved=False):
     with tempfile.TemporaryDirectory() as folder:
         result_path = Path(folder) / "result.json"
-        launch(tutorial_worker, observers + 1, episodes, seed, str(result_path))
+        launch(tutorial_worker, observers + 1, episodes, seed, str(result_path), until_solved)
         return json.loads(result_path.read_text())
 
 

@@ -1,5 +1,6 @@
 """rpc_rl.py: one RPC per step, batched forwards, reproducibility, save/load, failure behaviour."""
 
+import math
 import signal
 import subprocess
 import time
@@ -7,6 +8,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import psutil
+import pytest
 import torch
 
 from conftest import (assert_all_ended, assert_usage_error, last_json, needs_gpus, run_script, spawned_workers,
@@ -30,26 +32,63 @@ def finish(proc, timeout=100):
     return last_json(out)
 
 
-def test_one_rpc_per_step_and_one_forward_per_step_when_batched(tmp_path):
-    # two observers, batched and --no-batch side by side (also shows that runs at once do not collide)
+# Episode rewards of runs made before --envs-per-observer existed (commit 134833c, this machine's CPU): the
+# default, one environment per observer, must replay them exactly.
+BEFORE_ENVS_PER_OBSERVER = {
+    "--world-size 3 --max-episodes 6 --seed 3": [[17.0, 18.0], [13.0, 54.0], [16.0, 24.0], [22.0, 55.0],
+                                                  [35.0, 47.0], [46.0, 46.0]],
+    "--max-episodes 40 --seed 2": [30.0, 10.0, 17.0, 18.0, 30.0, 13.0, 26.0, 46.0, 19.0, 37.0, 13.0, 22.0, 26.0,
+                                   18.0, 16.0, 35.0, 23.0, 29.0, 14.0, 51.0, 23.0, 17.0, 16.0, 21.0, 17.0, 28.0,
+                                   84.0, 36.0, 57.0, 73.0, 42.0, 48.0, 59.0, 35.0, 56.0, 13.0, 13.0, 103.0, 87.0,
+                                   111.0],
+    "--max-episodes 40 --seed 2, greedy evaluation": [53.0, 37.0, 49.0],
+}
+
+
+def by_update(result):
+    """A run's episode rewards as [update][environment index][observer]."""
+    envs, rows = result["envs_per_observer"], result["episode_rewards"]
+    return [rows[start:start + envs] for start in range(0, len(rows), envs)]
+
+
+@pytest.mark.parametrize("envs", [1, 2])
+def test_one_rpc_per_observer_step_one_forward_per_step_when_batched_and_the_same_rewards_without(tmp_path, envs):
+    # two observers with `envs` environments each, batched and --no-batch side by side (also shows that runs
+    # at once do not collide)
     plot = tmp_path / "curve.png"
-    batched = start_rpc_rl("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--plot", plot)
-    unbatched = start_rpc_rl("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--no-batch")
+    common = ("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--envs-per-observer", envs,
+              "--eval-episodes", 3)
+    batched = start_rpc_rl(*common, "--plot", plot)
+    unbatched = start_rpc_rl(*common, "--no-batch")
     batched, unbatched = finish(batched), finish(unbatched)
     for result in (batched, unbatched):
-        assert result["episodes"] == 6 and result["observers"] == 2
+        assert result["episodes"] == 6 and result["updates"] == 6 // envs and result["observers"] == 2
         assert all(len(rewards) == 2 and min(rewards) > 0 for rewards in result["episode_rewards"])
         # CartPole pays 1 per step, so the rewards count the env steps the observers reported
         assert result["env_steps"] == sum(map(sum, result["episode_rewards"]))
-        assert result["step_rpcs"] == result["env_steps"] and result["rpcs_per_step"] == 1.0
-    # batched: one forward per step of the episode, however many observers are still playing
-    assert batched["forwards"] == sum(map(max, batched["episode_rewards"]))
-    assert batched["forwards"] < batched["env_steps"]
-    assert unbatched["forwards"] == unbatched["env_steps"]
+        # one RPC per observer step for all its environments still playing: per update, as many as its longest
+        # episode, so 1/K of the env steps when its K episodes are equally long
+        longest = [max(rewards[observer] for rewards in update) for update in by_update(result)
+                   for observer in range(2)]
+        assert result["step_rpcs"] == sum(longest)
+        assert result["rpcs_per_step"] == result["step_rpcs"] / result["env_steps"]
+        # greedy evaluation: 3 episodes per observer, rounded up to a multiple of the environments
+        assert len(result["eval_rewards"]) == 2 * envs * math.ceil(3 / envs)
+    # batched: one forward per step of the update, however many environments are still playing
+    assert batched["forwards"] == sum(max(map(max, update)) for update in by_update(batched))
+    assert batched["forwards"] < batched["step_rpcs"] <= batched["env_steps"]
+    assert unbatched["forwards"] == unbatched["step_rpcs"]
     # each observer draws from its own generator on the agent: batching changes nothing in the outcome
     assert batched["episode_rewards"] == unbatched["episode_rewards"]
-    # distinct environment seeds per observer
+    assert batched["eval_rewards"] == unbatched["eval_rewards"]
+    # distinct environment seeds per observer and per environment
     assert [a for a, _ in batched["episode_rewards"]] != [b for _, b in batched["episode_rewards"]]
+    assert len({rpc_rl.observer_seed(3, rank, "env", index) for rank in (1, 2) for index in range(envs)}) == 2 * envs
+    if envs == 1:
+        assert batched["episode_rewards"] == BEFORE_ENVS_PER_OBSERVER["--world-size 3 --max-episodes 6 --seed 3"]
+        assert batched["rpcs_per_step"] == 1.0
+    else:
+        assert batched["rpcs_per_step"] < 1.0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -75,6 +114,9 @@ def test_same_seed_same_rewards_it_learns_and_the_saved_policy_evaluates_the_sam
     trained, again = (finish(run) for run in runs)
     assert trained["episode_rewards"] == again["episode_rewards"]
     rewards = [reward for (reward,) in trained["episode_rewards"]]
+    assert rewards == BEFORE_ENVS_PER_OBSERVER["--max-episodes 40 --seed 2"]
+    assert trained["running_reward"] == 39.287  # the tutorial's running reward, as before
+    assert trained["eval_rewards"] == BEFORE_ENVS_PER_OBSERVER["--max-episodes 40 --seed 2, greedy evaluation"]
     assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
 
     evaluated = finish(start_rpc_rl("--load", saved, "--max-episodes", 0, "--eval-episodes", 3, "--seed", 2))
@@ -94,6 +136,7 @@ def test_bad_input_is_one_line(tmp_path):
     assert_usage_error(run_script("rpc_rl.py", "--load", tmp_path / "missing.pt", timeout=60), "--load")
     assert_usage_error(run_script("rpc_rl.py", "--gamma", 1, timeout=60), "--truncation terminal")
     assert_usage_error(run_script("rpc_rl.py", "--truncation", "never", timeout=60), "--truncation")
+    assert_usage_error(run_script("rpc_rl.py", "--envs-per-observer", 0, timeout=60), "--envs-per-observer")
     if not torch.cuda.is_available():
         assert_usage_error(run_script("rpc_rl.py", "--cuda", timeout=60), "--cuda")
 
