@@ -15,6 +15,7 @@ the same epoch). This file is both the tuner and the trial script: Syne Tune sta
     python async_hpo.py --scheduler asha --n-workers 4    # stop bad trials early
     python async_hpo.py --sync                            # synchronous baseline, same budget
     python async_hpo.py --cuda                            # one GPU per trial when there are several
+    python async_hpo.py --ray-address auto                # trials on a Ray cluster (docs/async_hpo_ray.md)
     python async_hpo.py --max-trials 6 --max-epochs 2 --limit-train 5000 --activation relu   # a quick look
 
 Each run writes runs/async_hpo/<experiment>/ (--results-dir): Syne Tune's metadata.json and results.csv.zip
@@ -43,9 +44,14 @@ import dataclasses
 import json
 import logging
 import os
+import queue
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Literal, Optional
@@ -66,10 +72,11 @@ from syne_tune.optimizer.scheduler import SchedulerDecision
 from syne_tune.results_callback import StoreResultsCallback
 from syne_tune.tuner_callback import TunerCallback
 from syne_tune.tuner_logger import TunerLogger
+from syne_tune.util import dump_json_with_numpy
 from syne_tune.utils import add_config_json_to_argparse, load_config_json
 
-from common import (UsageError, check, cuda_device_count, die_with_parent, emit_result, fashion_mnist_dir,
-                    load_fashion_mnist, parse_args, run_main, seed_everything, usable_cpus)
+from common import (FASHION_MNIST_FILES, UsageError, check, cuda_device_count, die_with_parent, emit_result,
+                    fashion_mnist_dir, load_fashion_mnist, parse_args, run_main, seed_everything, usable_cpus)
 
 
 @dataclasses.dataclass
@@ -104,6 +111,9 @@ class Args:
     sigmoid sits on a plateau for several hundred (use it for short runs)"""
     cuda: bool = False
     """train trials on GPUs: one GPU per trial when there are several, else all share the one"""
+    ray_address: Optional[str] = None
+    """run the trials as Ray tasks on the cluster at HOST:PORT, or `auto` for the one that `ray start` began on
+    this machine; --n-workers then counts trials at once across the cluster (docs/async_hpo_ray.md)"""
 
 
 METRIC = "validation_error"
@@ -113,6 +123,8 @@ POLL_INTERVAL_S = 0.1  # how long the tuner sleeps when all workers are busy: th
 HOLDOUT_SIZE = 10_000
 TRIAL_FLAG = f"--{ST_CONFIG_JSON_FNAME_ARG}"  # Syne Tune starts each trial with this flag
 TRIAL_INFO_FILE = "trial.json"  # written by each trial: its start time, device and machine
+RAY_TRIAL_FILES = ("common.py",)  # what a trial needs beside the entry point: Ray ships them to every node
+RAY_STOP_TIMEOUT_S = 30.0  # how long the tuner waits for the Ray tasks of stopped trials to end
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -188,9 +200,17 @@ def describe_device(device):
     return f"{device} {properties.name} GPU-{properties.uuid}"
 
 
+def trial_data_folder(data_folder):
+    """The tuner's data folder when this machine has it, else (a trial on another machine of a Ray cluster,
+    where the tuner's path does not exist) the download cache, filled and verified there once."""
+    if all((Path(data_folder) / name).is_file() for name in FASHION_MNIST_FILES):
+        return data_folder
+    return fashion_mnist_dir(None)
+
+
 def run_trial(config, trial_dir):
     """Train LeNet with config's learning rate and batch size; report validation_error after every epoch."""
-    die_with_parent(config["tuner_pid"])
+    die_with_parent(config["tuner_pid"])  # the tuner; on Ray, the Ray worker that started this trial
     started_at = process_start_time()
     torch.set_num_threads(config["threads"])
     seed_everything(config["seed"])
@@ -203,7 +223,7 @@ def run_trial(config, trial_dir):
     (trial_dir / TRIAL_INFO_FILE).write_text(json.dumps(info))
     print(f"trial on {info['device']} | host {info['host']}", flush=True)
     train_x, train_y, val_x, val_y = (t.to(device) for t in load_split(
-        config["data_folder"], config["holdout"], config["train_size"], config["seed"]))
+        trial_data_folder(config["data_folder"]), config["holdout"], config["train_size"], config["seed"]))
     model = LeNet(config["activation"]).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=config["learning_rate"])
     report = Reporter()
@@ -340,12 +360,17 @@ class Search:
 
 
 def run_search(args, entry_point, config_space, out=sys.stdout):
-    """Run Syne Tune's tuning loop here; every trial is `python entry_point` in a child process."""
+    """Run Syne Tune's tuning loop here; every trial is `python entry_point` in a child process (or, with
+    --ray-address, in a Ray task on the cluster: connect_to_ray first)."""
     results_dir = Path(args.results_dir).resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
     os.environ["SYNETUNE_FOLDER"] = str(results_dir)  # Syne Tune's way to say where experiments are written
+    if args.ray_address:
+        backend = RayTrials(str(entry_point), cpus=config_space.get("threads", 1), gpus=1 if args.cuda else 0)
+    else:
+        backend = TrialProcesses(entry_point=str(entry_point), pass_args_as_json=True, rotate_gpus=args.cuda)
     tuner = Tuner(
-        trial_backend=TrialProcesses(entry_point=str(entry_point), pass_args_as_json=True, rotate_gpus=args.cuda),
+        trial_backend=backend,
         scheduler=make_scheduler(args, config_space),
         # Syne Tune stops when *more than* max_num_trials_finished trials have finished
         stop_criterion=StoppingCriterion(max_wallclock_time=args.max_wallclock_time,
@@ -420,6 +445,7 @@ def trial_outcomes(search, results, max_epochs):
             "best_err": float(reports[METRIC].min()) if reports is not None else None,
             "busy_s": busy_to - busy_from if busy_from is not None else 0.0,
             "device": info.get("device"), "host": info.get("host"),
+            **({"node": info["node"]} if "node" in info else {}),  # the Ray node's ID, on a Ray cluster
         })
     return rows
 
@@ -490,7 +516,177 @@ def report_search(args, search):
     figures = plot_figures(experiment.results, search.started_at, search.path)
     emit_result("async_hpo", scheduler=args.scheduler, sync=args.sync, n_workers=args.n_workers,
                 **summarize(search, rows, args.n_workers), trials=rows, experiment=search.tuner.name,
-                results_dir=str(Path(args.results_dir).resolve()), figures={k: str(v) for k, v in figures.items()})
+                results_dir=str(Path(args.results_dir).resolve()), figures={k: str(v) for k, v in figures.items()},
+                **({"ray_address": args.ray_address} if args.ray_address else {}))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: trials on a Ray cluster (--ray-address); Syne Tune still decides, Ray places and runs
+# ---------------------------------------------------------------------------------------------------------
+
+def connect_to_ray(address, entry_point):
+    """Join the Ray cluster at address as its driver; returns its alive nodes as (CPUs, GPUs) pairs.
+
+    The trials' code travels with the job: Ray's runtime_env working_dir, here a folder holding only the entry
+    point and RAY_TRIAL_FILES (never the repo or its .venv), is uploaded once and becomes the working folder of
+    every trial task on every node. An address nothing answers at is a UsageError, before anything is written
+    (ray.init itself would retry for minutes)."""
+    import ray
+    from ray._private.services import canonicalize_bootstrap_address  # ray.init's own reading of the address
+    check("://" not in address, f"--ray-address {address}: give the cluster's HOST:PORT (the address `ray start "
+                                f"--head` printed) or auto; Ray Client addresses are not supported")
+    try:
+        host, port = canonicalize_bootstrap_address(address).rsplit(":", 1)  # `auto` fails here without a cluster
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except (ConnectionError, OSError, ValueError) as error:
+        reason = "none is running on this machine" if address == "auto" else str(error).splitlines()[0]
+        raise UsageError(f"--ray-address {address}: no Ray cluster answers ({reason}); start one with `ray start "
+                         f"--head` (docs/async_hpo_ray.md) or fix the address") from None
+    code = Path(tempfile.mkdtemp(prefix="async-hpo-code-"))
+    try:
+        for path in (Path(entry_point), *(Path(__file__).resolve().with_name(name) for name in RAY_TRIAL_FILES)):
+            shutil.copy(path, code)
+        ray.init(address=address, runtime_env={"working_dir": str(code)}, logging_level=logging.WARNING,
+                 log_to_driver=False)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as error:  # e.g. a token that does not match
+        raise UsageError(f"--ray-address {address}: {str(error).splitlines()[0]}") from None
+    finally:
+        shutil.rmtree(code)
+    return [(int(node["Resources"].get("CPU", 0)), int(node["Resources"].get("GPU", 0)))
+            for node in ray.nodes() if node["Alive"]]
+
+
+def cpus_per_trial(nodes, n_workers, gpus_per_trial):
+    """The most CPUs each trial can have with n_workers trials running at once on the cluster's nodes ((CPUs,
+    GPUs) pairs), every trial on one node, with gpus_per_trial GPUs each; 0 when n_workers trials never fit."""
+    for cpus in range(max((node_cpus for node_cpus, _ in nodes), default=0), 0, -1):
+        fit = sum(min(node_cpus // cpus, node_gpus // gpus_per_trial if gpus_per_trial else node_cpus)
+                  for node_cpus, node_gpus in nodes)
+        if fit >= n_workers:
+            return cpus
+    return 0
+
+
+def run_trial_on_node(entry_point, trial_id, config_text):
+    """A Ray task: run one trial on the node Ray placed it on, as the local backend would run it here.
+
+    It starts `python entry_point --st_config_json_filename ...` (from the job's working folder, see
+    connect_to_ray) with this task's share of the node (Ray sets CUDA_VISIBLE_DEVICES and OMP_NUM_THREADS for
+    it), and yields what the trial writes as it writes it: ("std.out" | "std.err", line), once
+    (TRIAL_INFO_FILE, its text plus this node's Ray ID and IP), then ("exit", exit status). Its config says
+    this worker's pid as `tuner_pid`, so die_with_parent ties the trial to this worker: when the tuner cancels
+    the task, or goes away, Ray kills the worker and the trial with it. The trial's folder on this node (in its
+    temporary folder) is removed once the trial has read its config and written TRIAL_INFO_FILE: a trial killed
+    before that leaves its config.json behind."""
+    import ray
+    folder = Path(tempfile.mkdtemp(prefix=f"async-hpo-trial-{trial_id}-"))
+    (folder / "config.json").write_text(json.dumps({**json.loads(config_text), "tuner_pid": os.getpid()}))
+    node = {"node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+    process = subprocess.Popen([sys.executable, entry_point, TRIAL_FLAG, str(folder / "config.json"),
+                                "--st_checkpoint_dir", str(folder / "checkpoints")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = queue.SimpleQueue()
+
+    def forward(stream, name):
+        for line in stream:
+            lines.put((name, line))
+        lines.put((name, None))
+
+    for stream, name in ((process.stdout, "std.out"), (process.stderr, "std.err")):
+        threading.Thread(target=forward, args=(stream, name), daemon=True).start()
+    try:
+        open_streams, info = 2, None
+        while open_streams:
+            name, line = lines.get()
+            if info is None and name == "std.out":  # the trial writes its info file before its first line
+                with contextlib.suppress(OSError, ValueError):
+                    info = {**json.loads((folder / TRIAL_INFO_FILE).read_text()), **node}
+                if info is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    yield TRIAL_INFO_FILE, json.dumps(info)
+            if line is None:
+                open_streams -= 1
+            else:
+                yield name, line
+        yield "exit", process.wait()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class RayTrial:
+    """The tuner's handle on one trial running as a Ray task, with the two methods of subprocess.Popen that the
+    local backend calls: poll() and kill(). Lives in the tuner process."""
+
+    def __init__(self, stream, trial_path):
+        self.stream, self.trial_path = stream, trial_path
+        self.returncode, self.killed = None, False
+
+    def poll(self):
+        """Append what the trial wrote since the last call to the files of its folder here; return its exit
+        status once it has ended, 1 (with the reason in std.err) when Ray lost it: its node died, its worker
+        was killed."""
+        import ray
+        while self.returncode is None and self.stream.next_ready():
+            try:
+                name, text = ray.get(next(self.stream))
+            except ray.exceptions.RayError as error:
+                name, text = "std.err", "" if self.killed else f"ray: {str(error).splitlines()[0]}\n"
+                self.returncode = 1
+            if name == "exit":
+                self.returncode = text  # the trial process's exit status
+            elif name == TRIAL_INFO_FILE:
+                (self.trial_path / name).write_text(text)
+            else:
+                with open(self.trial_path / name, "a") as log:
+                    log.write(text)
+        return self.returncode
+
+    def kill(self):
+        import ray
+        self.killed = True
+        ray.cancel(self.stream, force=True)  # kills the Ray worker, and so the trial process it started
+
+
+class RayTrials(LocalBackend):
+    """Syne Tune's local backend with each trial a Ray task somewhere on the cluster instead of a child process
+    here; the rest is the local backend's: each trial's folder here gets its config.json, and std.out, std.err
+    and TRIAL_INFO_FILE as the trial writes them on its node (RayTrial.poll), results are parsed from std.out,
+    and stopping a trial (ASHA, the budget, Ctrl-C) kills it. Lives in the tuner process."""
+
+    def __init__(self, entry_point, cpus, gpus):
+        import ray
+        super().__init__(entry_point=entry_point, pass_args_as_json=True, rotate_gpus=False)
+        if run_trial_on_node.__module__ != "__main__":  # imported (the benchmark): send the function itself, so
+            ray.cloudpickle.register_pickle_by_value(sys.modules[run_trial_on_node.__module__])  # no torch import
+        # SPREAD: trials on different nodes while there are free ones. No retries: a trial whose node died has
+        # failed, and Syne Tune decides what runs next.
+        self.task = ray.remote(run_trial_on_node).options(
+            num_returns="streaming", num_cpus=cpus, num_gpus=gpus, max_retries=0, scheduling_strategy="SPREAD")
+
+    def _schedule(self, trial_id, config):
+        trial_path = self.trial_path(trial_id)
+        trial_path.mkdir(parents=True, exist_ok=True)
+        for name in ("std.out", "std.err"):
+            (trial_path / name).touch()
+        config_text = dump_json_with_numpy(config)
+        (trial_path / "config.json").write_text(config_text)
+        stream = self.task.remote(Path(self.entry_point).name, trial_id, config_text)
+        self.trial_subprocess[trial_id] = RayTrial(stream, trial_path)
+        self._busy_trial_id_candidates.add(trial_id)
+
+    def _kill_process(self, trial_id):
+        self.trial_subprocess[trial_id].kill()
+
+    def stop_all(self):
+        """Stop every running trial, then wait (a bounded time) until Ray reports each of their tasks ended."""
+        import ray
+        super().stop_all()
+        ended = [trial.stream.completed() for trial in self.trial_subprocess.values()]
+        if ended:
+            ray.wait(ended, num_returns=len(ended), timeout=RAY_STOP_TIMEOUT_S, fetch_local=False)
 
 
 def main():
@@ -504,11 +700,19 @@ def main():
     check(args.max_epochs >= 1, f"--max-epochs must be at least 1, got {args.max_epochs}")
     check(args.limit_train is None or args.limit_train >= 1, "--limit-train must be at least 1")
     check(args.max_failures >= 0, f"--max-failures must be 0 or more, got {args.max_failures}")
-    check(not args.cuda or cuda_device_count() > 0, "--cuda: no CUDA device on this machine; run without --cuda")
+    check(not args.cuda or args.ray_address or cuda_device_count() > 0,
+          "--cuda: no CUDA device on this machine; run without --cuda")
     script = Path(__file__).resolve()
     # Syne Tune's local backend builds each trial's command line by joining paths with spaces
     check(not any(c.isspace() for c in str(script) + str(Path(args.results_dir).resolve())),
           "the script's path and --results-dir must not contain spaces; pick a folder without them")
+    threads = max(1, usable_cpus() // args.n_workers)  # each trial's share of this machine's cores
+    if args.ray_address:
+        nodes = connect_to_ray(args.ray_address, script)
+        threads = cpus_per_trial(nodes, args.n_workers, 1 if args.cuda else 0)  # the CPUs Ray reserves per trial
+        check(threads >= 1, f"--n-workers {args.n_workers}: the Ray cluster at {args.ray_address} cannot run that "
+                            f"many trials at once ({sum(c for c, _ in nodes)} CPUs, {sum(g for _, g in nodes)} GPUs "
+                            f"on {len(nodes)} nodes{'; one GPU per trial' if args.cuda else ''}); lower --n-workers")
     # Find (or download) and verify the data once here, so a problem is one line before any trial starts
     folder = fashion_mnist_dir(args.data_dir)
     train_size = len(load_split(folder, args.holdout, None, args.seed)[0])
@@ -524,7 +728,7 @@ def main():
         "activation": args.activation,
         "data_folder": str(Path(folder).resolve()),
         "seed": args.seed,
-        "threads": max(1, usable_cpus() // args.n_workers),
+        "threads": threads,
         "device": "cuda" if args.cuda else "cpu",
         "tuner_pid": os.getpid(),
     }

@@ -2,10 +2,15 @@
 machine makes them slower, not different) run as subprocesses; the tests read the final JSON line and the
 results folder the way a user would."""
 
+import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,6 +19,8 @@ import psutil
 import pytest
 
 from conftest import OFFLINE, REPO, assert_usage_error, data_root, last_json, needs_gpus, start_script
+
+TRIAL_FLAG = "--st_config_json_filename"
 
 
 def import_keeping_environment(module):
@@ -258,3 +265,283 @@ def test_cuda_trials_run_on_gpus(tmp_path, data_dir_args):
     devices = [trial["device"] for trial in result["trials"] if trial["status"] == "completed"]
     assert len(devices) >= 2 and all(device.startswith("cuda:") and "GPU-" in device for device in devices), devices
     assert result["best_validation_error"] < 0.8, result
+
+
+def test_ray_is_imported_only_for_ray_address():
+    """Local runs and every trial process import this file; none of them pays for importing Ray."""
+    code = "import sys, async_hpo; print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:{free_port}", "auto"])
+def test_unreachable_ray_address_is_one_line_exit_2(address, tmp_path):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, str(REPO / "async_hpo.py"), "--ray-address",
+                           address.format(free_port=free_port), "--results-dir", str(tmp_path / "results")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**env, "RAY_TMPDIR": str(tmp_path)})  # auto: no cluster started here
+    assert_usage_error(proc, "--ray-address", "ray start --head")
+    assert not (tmp_path / "results").exists()
+
+
+def test_ray_trials_get_an_equal_share_of_cpus_that_fits_every_trial_on_one_node():
+    cpus_per_trial = import_keeping_environment("async_hpo").cpus_per_trial
+    assert cpus_per_trial([(1, 0), (1, 0)], 2, 0) == 1
+    assert cpus_per_trial([(8, 0), (8, 0)], 4, 0) == 4
+    assert cpus_per_trial([(3, 0), (3, 0)], 3, 0) == 1  # 2 each would fit only 2 trials
+    assert cpus_per_trial([(16, 0), (4, 0)], 2, 0) == 8
+    assert cpus_per_trial([(8, 2), (16, 0)], 2, 1) == 4  # one GPU each: both on the GPU node
+    assert cpus_per_trial([(8, 2), (16, 0)], 3, 1) == 0  # 3 trials, 2 GPUs
+    assert cpus_per_trial([(2, 0)], 3, 0) == 0
+
+
+def test_a_trial_on_another_machine_falls_back_to_the_download_cache(monkeypatch, tmp_path):
+    """The tuner's --data-dir exists on the tuner's machine only; a trial elsewhere uses (or fills) its cache."""
+    async_hpo = import_keeping_environment("async_hpo")
+    from common import FASHION_MNIST_FILES, fashion_mnist_dir
+    data = fashion_mnist_dir(data_root())
+    cache = tmp_path / "cache" / "torch-distributed-patterns" / "fashion-mnist"
+    cache.mkdir(parents=True)
+    for name in FASHION_MNIST_FILES:
+        (cache / name).symlink_to(Path(data) / name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert Path(async_hpo.trial_data_folder(str(data))) == Path(data)
+    assert Path(async_hpo.trial_data_folder(str(tmp_path / "only-on-the-head-node"))) == cache
+
+
+# ---------------------------------------------------------------------------------------------------------
+# On a Ray cluster (--ray-address): two `ray start` nodes on this machine, reachable on loopback only
+# ---------------------------------------------------------------------------------------------------------
+
+RAY_CLI = Path(sys.executable).with_name("ray")
+# Run inside a new user + network namespace: brings its loopback interface up, says where Ray would say this
+# machine is, then waits until the test closes its stdin.
+NAMESPACE_HOLDER = """
+import fcntl, socket, struct, sys
+from ray._common.network_utils import node_ip_address_from_perspective  # how Ray picks a node's address
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    flags = struct.unpack("16sH14s", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14s", b"lo", 0, b"")))[1]
+    fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14s", b"lo", flags | IFF_UP, b""))
+print(node_ip_address_from_perspective(), flush=True)
+sys.stdin.read()
+"""
+
+
+class LoopbackRayCluster:
+    """A Ray cluster of two nodes with one CPU each, started as `ray start --head` and `ray start --address`
+    (the recipe of docs/async_hpo_ray.md) in a network namespace that has nothing but a loopback interface:
+    Ray's GCS and raylets listen on every interface there is, and there, loopback is the only one. Commands
+    run in the namespace with `in_namespace`. Lives in the pytest process."""
+
+    def __init__(self, folder):
+        self.holder = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", sys.executable, "-c",
+                                        NAMESPACE_HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.address = self.holder.stdout.readline().strip()
+        self.env = {**os.environ, "RAY_TMPDIR": str(folder),  # `auto` finds this cluster, and only this one
+                    "TMPDIR": str(folder),  # and what a trial killed as it starts leaves on its node goes with it
+                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex(),
+                    "RAY_USAGE_STATS_ENABLED": "0",
+                    # a dead node is noticed within seconds; a slow start on a loaded machine is not fatal
+                    "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+                    "RAY_agent_register_timeout_ms": "120000"}
+        self.head = self.worker = None
+
+    def in_namespace(self, *command):
+        return ["nsenter", "--target", str(self.holder.pid), "--user", "--net", "--preserve-credentials",
+                *map(str, command)]
+
+    def start_node(self, *args, timeout=120):
+        """`ray start ... --block`, returned once it says the node runs; its output is read on, to the end."""
+        node = subprocess.Popen(self.in_namespace(RAY_CLI, "start", "--num-cpus", "1", "--block", *args),
+                                env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output, started = [], threading.Event()
+
+        def read():
+            for line in node.stdout:
+                output.append(line)
+                if "Ray runtime started" in line:
+                    started.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not started.wait(timeout):
+            node.kill()
+            raise AssertionError(f"ray start {' '.join(args)} did not start in {timeout} s:\n{''.join(output)[-3000:]}")
+        return node
+
+    def start(self):
+        self.head = self.start_node("--head", "--include-dashboard=false", "--disable-usage-stats")
+        self.ensure_worker_node()
+
+    def ensure_worker_node(self):
+        if self.worker is None or self.worker.poll() is not None:
+            self.worker = self.start_node("--address", "127.0.0.1:6379")
+
+    def processes(self, node):
+        """The node's processes: its `ray start`, the raylet and Ray's agents, the Ray workers, their trials."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(node.pid)
+            return [root, *root.children(recursive=True)]
+        return []
+
+    def kill_worker_node(self):
+        """What a machine that dies does to its Ray node: every process of it ends at once."""
+        for process in self.processes(self.worker):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        self.worker.wait(10)
+
+    def stop(self):
+        for node in (self.worker, self.head):
+            if node is not None and node.poll() is None:
+                node.terminate()  # `ray start --block` stops its node's processes on SIGTERM
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    node.wait(30)
+            for process in self.processes(node) if node is not None else []:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+        self.holder.stdin.close()
+        self.holder.wait(10)
+
+
+def namespaces_available():
+    return shutil.which("unshare") and shutil.which("nsenter") and subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--net", "true"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    if not namespaces_available():
+        pytest.skip("needs unshare/nsenter and user + network namespaces (the test cluster must be loopback-only)")
+    folder = Path(tempfile.mkdtemp(prefix="ray-"))  # short: Ray's socket paths live under it
+    cluster = LoopbackRayCluster(folder)
+    try:
+        if not cluster.address.startswith("127."):
+            pytest.skip(f"Ray takes this machine to be {cluster.address}, which a loopback-only namespace lacks")
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def start_search_on_ray(cluster, *args):
+    return subprocess.Popen(cluster.in_namespace(sys.executable, REPO / "async_hpo.py", "--ray-address", "auto", *args),
+                            cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def ray_trial_processes(cluster, node):
+    """(trial id, process) of every live trial process on the node."""
+    found = []
+    for process in cluster.processes(node):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            cmdline = process.cmdline()
+            if process.status() != psutil.STATUS_ZOMBIE and TRIAL_FLAG in cmdline:
+                config = Path(cmdline[cmdline.index(TRIAL_FLAG) + 1])
+                found.append((int(config.parent.name.split("-")[3]), process))
+    return found
+
+
+def ray_tasks_running(cluster):
+    """Ray workers of the cluster that are running a trial task (Ray names a worker after the task it runs)."""
+    running = []
+    for node in (cluster.head, cluster.worker):
+        for process in cluster.processes(node):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "run_trial_on_node" in " ".join(process.cmdline()):
+                    running.append(process)
+    return running
+
+
+def test_ray_sigterm_stops_every_trial_on_every_node(ray_cluster, tmp_path, data_dir_args):
+    ray_cluster.ensure_worker_node()
+    proc = start_search_on_ray(ray_cluster, *data_dir_args, *QUICK, "--max-epochs", "3", "--results-dir", tmp_path)
+    try:
+        wait_for(lambda: all(ray_trial_processes(ray_cluster, node) for node in (ray_cluster.head, ray_cluster.worker)),
+                 120, "a trial on each node")
+        assert len(ray_tasks_running(ray_cluster)) == 2
+        # each trial runs from the code Ray shipped to its node: the entry point and common.py, nothing else
+        for _, process in ray_trial_processes(ray_cluster, ray_cluster.worker):
+            assert sorted(os.listdir(process.cwd())) == ["async_hpo.py", "common.py"]
+        proc.send_signal(signal.SIGTERM)
+    finally:
+        code, out, err = finish(proc, 60)
+    assert code == 128 + signal.SIGTERM, (code, err)
+    assert "SIGTERM" in err and "Traceback" not in err
+    # the tuner waited for Ray to end the tasks: no Ray worker runs a trial, no trial process is left
+    assert not ray_tasks_running(ray_cluster)
+    assert not any(ray_trial_processes(ray_cluster, node) for node in (ray_cluster.head, ray_cluster.worker))
+    (experiment,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+    assert (experiment / "metadata.json").is_file() and (experiment / "0" / "std.out").is_file()
+
+
+def test_ray_a_killed_tuner_takes_its_trials_with_it(ray_cluster, tmp_path, data_dir_args):
+    """No die_with_parent against the tuner on other machines: Ray ends the tasks of a driver that is gone."""
+    ray_cluster.ensure_worker_node()
+    proc = start_search_on_ray(ray_cluster, *data_dir_args, *QUICK, "--max-epochs", "3", "--results-dir", tmp_path)
+    try:
+        wait_for(lambda: len(ray_tasks_running(ray_cluster)) == 2, 120, "two trial tasks")
+        proc.kill()  # nsenter has become the tuner: this is the tuner's pid
+    finally:
+        finish(proc, 60)
+    wait_for(lambda: not ray_tasks_running(ray_cluster) and not any(
+        ray_trial_processes(ray_cluster, node) for node in (ray_cluster.head, ray_cluster.worker)), 60,
+             "the trials of the killed tuner to end")
+
+def test_ray_asha_stops_the_same_trial_as_locally(ray_cluster, tmp_path, data_dir_args):
+    """test_asha_stops_bad_trials_early on the cluster: Syne Tune's decisions, applied to Ray tasks."""
+    ray_cluster.ensure_worker_node()
+    proc = start_search_on_ray(ray_cluster, *data_dir_args, *QUICK, "--n-workers", "1", "--max-epochs", "2",
+                               "--max-trials", "2", "--scheduler", "asha", "--results-dir", tmp_path)
+    code, out, err = finish(proc, 240)
+    assert code == 0, err
+    result = last_json(out)
+    assert (result["trials_completed"], result["trials_stopped_early"]) == (1, 1), out
+    assert "trial 1 stopped early | epoch 1" in out
+    results = experiment_results(result)
+    assert list(results[results.trial_id == 0].epoch) == [1, 2]
+    assert list(results[results.trial_id == 1].epoch) == [1]
+    assert list(results[results.trial_id == 1].st_decision) == ["STOP"]
+    assert not ray_tasks_running(ray_cluster)
+
+def test_ray_trials_run_on_both_nodes_and_a_dead_node_fails_only_its_trial(ray_cluster, tmp_path, data_dir_args):
+    """Two trials at once, one per node (one CPU each). Once the worker node has finished a trial and started
+    the next, all of its processes are killed: that trial is failed, and the search goes on on the head node."""
+    ray_cluster.ensure_worker_node()
+    proc = start_search_on_ray(ray_cluster, *data_dir_args, *QUICK, "--max-epochs", "1", "--max-trials", "5",
+                               "--max-failures", "1", "--results-dir", tmp_path)
+
+    def second_trial_on_worker_node_frozen():
+        """The worker node's first trial has finished, and the second one's info (written as the trial starts)
+        has reached the tuner: freeze that trial, so that it is still running when its node dies."""
+        for trial_id, process in ray_trial_processes(ray_cluster, ray_cluster.worker):
+            if trial_id >= 2 and list(tmp_path.glob(f"*/{trial_id}/trial.json")):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.suspend()
+                    return trial_id
+        return None
+
+    try:
+        frozen = wait_for(second_trial_on_worker_node_frozen, 240, "a second trial on the worker node")
+        ray_cluster.kill_worker_node()
+    finally:
+        code, out, err = finish(proc, 240)
+    assert code == 0, err
+    result = last_json(out)
+    assert result["ray_address"] == "auto" and result["trials_failed"] == 1, out
+    (failed,) = [row for row in result["trials"] if row["status"] == "failed"]
+    assert failed["trial"] == frozen
+    assert f"trial {failed['trial']} failed" in out
+    completed = [row for row in result["trials"] if row["status"] == "completed"]
+    worker_node = failed["node"]
+    assert any(row["node"] == worker_node for row in completed), result["trials"]  # ran trials before it died
+    assert any(row["node"] != worker_node and row["trial"] > failed["trial"] for row in completed), result["trials"]
+    assert len({row["node"] for row in completed}) == 2  # from the trials' own reports: both nodes ran trials
+    std_err = Path(result["results_dir"]) / result["experiment"] / str(failed["trial"]) / "std.err"
+    assert "ray: " in std_err.read_text()  # why Ray lost it
+    assert result["best_validation_error"] < 0.8, result
+    assert not ray_trial_processes(ray_cluster, ray_cluster.head) and not ray_tasks_running(ray_cluster)
