@@ -219,18 +219,11 @@ def test_the_policy_learns_on_a_gpu():
 SEED_2 = BEFORE_ENVS_PER_OBSERVER["--max-episodes 40 --seed 2"]
 
 
-def test_a_killed_launcher_leaves_nothing_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
-    """SIGKILL of `python rpc_rl.py` mid-run: its processes end within seconds. The same command with --resume
-    then continues from the last checkpoint and gives, episode for episode, the rewards, the running reward and
-    the greedy evaluation of a run that was never interrupted."""
-    checkpoint = tmp_path / "rpc_rl.pt"
-    flags = ("--seed", 2, "--checkpoint-dir", tmp_path, "--checkpoint-interval", 5)
-    proc = start_rpc_rl(*flags, "--max-episodes", 5000, "--log-interval", 1)
+def test_a_killed_launcher_leaves_nothing():
+    """SIGKILL of `python rpc_rl.py` itself (not a worker): its processes end within seconds."""
+    proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1)
     try:
-        wait_for_line(proc, "episode 5 |", timeout=100)
-        deadline = time.monotonic() + 60
-        while not checkpoint.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)  # written right after the log line
+        wait_for_line(proc, "episode 1 |", timeout=100)
         processes = psutil.Process(proc.pid).children(recursive=True)
         assert len(spawned_workers(proc)) == 2
         proc.send_signal(signal.SIGKILL)
@@ -239,15 +232,49 @@ def test_a_killed_launcher_leaves_nothing_and_the_resumed_run_equals_an_uninterr
     finally:
         proc.kill()
         proc.communicate()
-    saved = common.load_checkpoint(checkpoint, "rpc_rl", "--resume")
-    assert 5 <= len(saved["episode_rewards"]) < 40, "the run went too far before the kill to compare with SEED_2"
 
-    resumed = start_rpc_rl(*flags, "--max-episodes", 40, "--resume", "--eval-episodes", 3)
-    out, err = resumed.communicate(timeout=100)
-    assert resumed.returncode == 0, err[-3000:]
-    assert f"resuming after episode {len(saved['episode_rewards'])} from" in out
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
+
+
+# TensorPipe and gloo on loopback. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: by default torchrun's workers keep the
+# first round's TCP store across restarts, with the keys the dead workers left in it (their addresses), and a
+# restarted round connects to a dead peer (ECONNREFUSED) or hangs; with it, each round gets a fresh store.
+TORCHRUN_ENV = {**os.environ, "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """`torchrun --max-restarts 1 ... --checkpoint-dir DIR --resume`, an observer SIGKILLed after the first
+    checkpoint: torchrun starts the processes again, the agent resumes from the last checkpoint, and the run ends
+    with, episode for episode, the rewards, running reward and greedy evaluation of a run that never stopped."""
+    checkpoint = tmp_path / "rpc_rl.pt"
+    proc = subprocess.Popen(torchrun("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "rpc_rl.py",
+                                     "--seed", 2, "--max-episodes", 40, "--eval-episodes", 3, "--log-interval", 1,
+                                     "--checkpoint-dir", tmp_path, "--checkpoint-interval", 5, "--resume"),
+                            cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(proc, "episode 5 |", timeout=100)
+        deadline = time.monotonic() + 60
+        while not checkpoint.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)  # written right after the log line
+        workers = [child for child in psutil.Process(proc.pid).children(recursive=True)
+                   if "rpc_rl.py" in " ".join(child.cmdline())]
+        assert len(workers) == 2
+        max(workers, key=lambda worker: worker.pid).send_signal(signal.SIGKILL)  # rank 1, started last
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    resumed = re.search(r"resuming after episode (\d+) from", out)
+    assert resumed and 5 <= int(resumed.group(1)) < 40, out[-3000:]
     result = last_json(out)
-    assert result["resumed_after_episodes"] == len(saved["episode_rewards"])
+    assert result["resumed_after_episodes"] == int(resumed.group(1))
     assert [reward for (reward,) in result["episode_rewards"]] == SEED_2
     assert result["running_reward"] == 39.287 and result["updates"] == 40
     assert result["env_steps"] == sum(SEED_2) == result["step_rpcs"]
@@ -266,11 +293,10 @@ def test_two_torchrun_nodes_on_loopback_give_the_rewards_of_the_spawned_run():
     would run it: the episode rewards of the spawned run with the same seed (SEED_2, which the spawned runs above
     give). Both "nodes" share this machine's CPUs, so --no-pin-cpus (pinning binds local rank 0 to the first)."""
     port = free_port()
-    env = {**os.environ, "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                               str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-                               str(port), "rpc_rl.py", "--max-episodes", "10", "--seed", "2", "--no-pin-cpus"],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = [subprocess.Popen(torchrun("--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1, "--master-addr",
+                                       "127.0.0.1", "--master-port", port, "rpc_rl.py", "--max-episodes", 10,
+                                       "--seed", 2, "--no-pin-cpus"),
+                              cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (1, 0)]
     try:
         outputs = [node.communicate(timeout=120) for node in nodes]
