@@ -600,12 +600,8 @@ class ActionBatcher:
 def set_up_process(info, args):
     """One intra-op thread per process (the policy is tiny: more threads only add synchronisation to every
     step) and, with --pin-cpus, the process bound to a CPU of its own when this machine has one for each of its
-    processes (common.pin_to_one_cpu; with fewer, the OS places them).
-
-    Why pin: TensorPipe's shared-memory transport polls busily in a thread of every process, even when idle
-    (`top -H` shows a TP_SHM_reactor thread at 100 %). Unpinned, on a machine with as many CPUs as processes,
-    the pollers and the Python threads of all processes fight over all CPUs; pinned, a poller competes only
-    with its own process. On 2 CPUs with one observer, pinning about doubled the env steps per second.
+    processes (common.pin_to_one_cpu says why: TensorPipe's busy-polling threads; `top -H` shows a TP_SHM_reactor
+    thread at 100 % in every process). On 2 CPUs with one observer, pinning nearly doubled the env steps per second.
     """
     torch.set_num_threads(1)
     if args.pin_cpus:
