@@ -16,9 +16,11 @@
     python benchmarks/bench_rpc_rl.py                         # both parts (about 15 min on 2 CPUs)
     python benchmarks/bench_rpc_rl.py --no-solve              # steps/s only
     python benchmarks/bench_rpc_rl.py --no-throughput --seeds 1,2
+Ends with one JSON line holding every figure and the machine it ran on.
 """
 
 import json
+import platform
 import statistics
 import subprocess
 import sys
@@ -39,7 +41,16 @@ from torch.distributions import Categorical
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import check, init_rpc, launch, parse_args, pin_to_one_cpu, run_main, seed_everything  # noqa: E402
+from common import (  # noqa: E402
+    check,
+    init_rpc,
+    launch,
+    parse_args,
+    pin_to_one_cpu,
+    run_main,
+    seed_everything,
+    usable_cpus,
+)
 from rpc_rl import AGENT_NAME, ENV_ID, OBSERVER_NAME, observer_seed  # noqa: E402
 
 
@@ -94,8 +105,8 @@ class TutorialObserver:
             state, reward, terminated, truncated, _ = self.env.step(action)
             agent_rref.rpc_sync().report_reward(self.id, reward)
             if terminated or truncated:
-                break
-        return step
+                return step
+        return self.env.spec.max_episode_steps
 
 
 class TutorialAgent:
@@ -151,15 +162,14 @@ def tutorial_worker(info, episodes, seed, result_path, until_solved=False):
     if info.rank == 0:
         init_rpc(info, AGENT_NAME)
         agent = TutorialAgent(info.world_size, seed)
-        env_steps, running_reward, solved, start = 0, 0.0, False, time.perf_counter()
-        for episode in range(1, episodes + 1):
+        env_steps, running_reward, solved, episode, start = 0, 0.0, False, 0, time.perf_counter()
+        while episode < episodes and not solved:
+            episode += 1
             rewards = agent.run_episode()
             agent.finish_episode()
             env_steps += sum(rewards)
             running_reward = 0.05 * min(rewards) + (1 - 0.05) * running_reward
-            if until_solved and running_reward > gym.spec(ENV_ID).reward_threshold:
-                solved = True
-                break
+            solved = until_solved and running_reward > gym.spec(ENV_ID).reward_threshold
         wall_time = time.perf_counter() - start
         Path(result_path).write_text(json.dumps({"env_steps": env_steps, "wall_time_s": wall_time,
                                                  "steps_per_s": env_steps / wall_time, "episodes": episode,
@@ -192,6 +202,7 @@ def throughput(args):
     print(f"steps/s over {args.episodes} training episodes, seed 1 (higher is better)", flush=True)
     print(f"{'observers':>9} | {'batched':>8} | {'unpinned':>8} | {'no-batch':>8} | {'tutorial':>8} | "
           f"batched / tutorial", flush=True)
+    rows = {}
     for observers in [int(n) for n in args.observers.split(",")]:
         common = ("--world-size", observers + 1, "--max-episodes", args.episodes, "--seed", 1,
                   "--log-interval", args.episodes)
@@ -201,9 +212,13 @@ def throughput(args):
         tutorial = run_tutorial(observers, args.episodes, 1)["steps_per_s"]
         print(f"{observers:>9} | {batched:>8.0f} | {unpinned:>8.0f} | {unbatched:>8.0f} | {tutorial:>8.0f} | "
               f"{batched / tutorial:.2f}x", flush=True)
+        rows[observers] = {"batched": batched, "unpinned": unpinned, "no_batch": unbatched, "tutorial": tutorial,
+                           "batched_over_tutorial": batched / tutorial}
+    return rows
 
 
 def time_to_solve(args):
+    modes = {}
     for truncation in args.truncation.split(","):
         print(f"time to solve at world size 2, --truncation {truncation} (cap {args.max_episodes} episodes)",
               flush=True)
@@ -222,15 +237,31 @@ def time_to_solve(args):
         print(f"--truncation {truncation}: solved {solved}/{len(episodes)} | episodes median "
               f"{statistics.median(episodes):g} (range {min(episodes)}-{max(episodes)}) | wall time median "
               f"{statistics.median(times):.1f} s (range {min(times):.1f}-{max(times):.1f} s)", flush=True)
+        modes[truncation] = {"solved": solved, "runs": len(episodes), "episodes": episodes, "wall_time_s": times,
+                             "median_episodes": statistics.median(episodes),
+                             "median_wall_time_s": statistics.median(times)}
+    return modes
+
+
+def machine():
+    """Where the figures were measured, for the JSON line."""
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+              if line.startswith("model name")] if cpuinfo.exists() else []
+    return {"date": time.strftime("%Y-%m-%d"), "cpus": usable_cpus(),
+            "cpu": models[0] if models else platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__}
 
 
 def main():
     args = parse_args(Args)
     check(args.episodes >= 1 and args.max_episodes >= 1, "--episodes and --max-episodes must be >= 1")
+    figures = {"bench": "rpc_rl", "machine": machine()}
     if args.throughput:
-        throughput(args)
+        figures["steps_per_s"] = throughput(args)
     if args.solve:
-        time_to_solve(args)
+        figures["time_to_solve"] = time_to_solve(args)
+    print(json.dumps(figures), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ variant alike.
    implemented in bench_rpc_rl.py: two RPCs per step, a torch forward per request, the tutorial's running
    reward). Median and range, ratio of medians to the first K, and the greedy evaluation of every rpc_rl
    policy once solved (--eval-episodes, not timed), to show that the policies solved with each K are as good.
-Ends with one JSON line holding every figure.
+Ends with one JSON line holding every figure and the machine it ran on.
 
     python benchmarks/bench_rpc_rl_envs.py                    # both parts
     python benchmarks/bench_rpc_rl_envs.py --no-solve         # part 1 only
@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
 
-from bench_rpc_rl import run_tutorial  # noqa: E402
+from bench_rpc_rl import machine, run_tutorial  # noqa: E402
+
 from common import check, parse_args, run_main  # noqa: E402
 
 
@@ -179,7 +180,7 @@ def main():
     check(1 in envs and min(envs + solve_envs) >= 1, "--envs must include 1, and every K must be >= 1")
     check(args.early_episodes >= 1 and args.max_episodes >= 1, "--early-episodes and --max-episodes must be >= 1")
     check(args.eval_episodes >= 1, "--eval-episodes must be >= 1")
-    figures = {"bench": "rpc_rl_envs"}
+    figures = {"bench": "rpc_rl_envs", "machine": machine()}
     if args.throughput:
         figures["choose_k"] = choose_k(args)
     if args.solve:
