@@ -23,6 +23,7 @@ import math
 import multiprocessing.connection
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ import threading
 import time
 import traceback
 import typing
+import urllib.parse
 import urllib.request
 import warnings
 from pathlib import Path
@@ -165,8 +167,17 @@ class DistInfo:
     init_method: str  # "file://..." for a single-node spawn, "env://" under torchrun
 
     def store_url(self, name):
-        """A rendezvous address of its own for each thing that needs one (process group, RPC)."""
-        return self.init_method if self.init_method == "env://" else f"{self.init_method}.{name}"
+        """A rendezvous address of its own for each thing that needs one (process group, RPC). Under a torchrun
+        whose agent's store outlives restarts, one that keeps this round of workers apart (see round_store)."""
+        if self.init_method != "env://":
+            return f"{self.init_method}.{name}"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return self.init_method
+        try:
+            dist.register_rendezvous_handler(ROUND_SCHEME, _round_rendezvous)
+        except RuntimeError:  # registered by an earlier call in this process
+            pass
+        return f"{ROUND_SCHEME}://?name={name}"
 
 
 def launched_by_torchrun():
@@ -344,6 +355,57 @@ def launch(worker, world_size, *args, timeout=60.0):
         if message:
             print(f"error: {message}; the other processes were stopped", file=sys.stderr, flush=True)
         raise SystemExit(status)
+
+
+ROUND_SCHEME = "torchrun-round"
+
+
+def round_store(name, rank, world_size, timeout_s):
+    """A namespace of torchrun's store that no earlier round of workers has written to.
+
+    torchrun's agent hosts one TCPStore for the whole job and the workers of every round use it
+    (TORCHELASTIC_USE_AGENT_STORE=True; elastic/rendezvous/dynamic_rendezvous.py creates it in the first round
+    only), while torch's env:// rendezvous puts no per-round prefix on the keys (rendezvous.py, _create_c10d_store,
+    assumes a new store per restart). After a restart (--max-restarts) the keys in which gloo's ranks, NCCL or
+    TensorPipe published their addresses still hold the dead round's values, and a rank that reads one before its
+    peer has rewritten it connects to a closed port ("Connection refused" in gloo's connectFullMesh) or hangs.
+    TORCHELASTIC_RESTART_COUNT cannot name the round: each machine's agent counts only its own restarts.
+
+    So every key a rank waits for is named by a random value drawn in this round: each rank posts a fresh
+    challenge; rank 0 draws the round's token and answers every challenge it sees (a dead round's too, harmlessly)
+    until all ranks have counted themselves in under the token, and the group keeps its keys under the token.
+    """
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    if rank != 0:
+        challenge = secrets.token_hex(16)
+        shared.set(f"{name}/challenge/{rank}", challenge)
+        token = shared.get(f"{name}/answer/{challenge}").decode()  # waits for rank 0 of this round
+        shared.add(f"{name}/{token}/joined", 1)
+        return dist.PrefixStore(f"{name}/{token}/", shared)
+    token = secrets.token_hex(16)
+    challenges = [f"{name}/challenge/{peer}" for peer in range(1, world_size)]
+    if challenges:
+        shared.wait(challenges)  # this round's, or a dead round's
+    answered, deadline = set(), time.monotonic() + timeout_s
+    while shared.add(f"{name}/{token}/joined", 0) < world_size - 1:
+        unanswered = [challenge for challenge in shared.multi_get(challenges) if challenge not in answered]
+        if unanswered:
+            shared.multi_set([f"{name}/answer/{challenge.decode()}" for challenge in unanswered],
+                             [token] * len(unanswered))
+            answered.update(unanswered)
+        if time.monotonic() > deadline:
+            missing = world_size - 1 - shared.add(f"{name}/{token}/joined", 0)
+            raise RunFailed(f"{missing} process(es) did not join within {timeout_s:g} s; check that every machine "
+                            f"of the run started")
+        time.sleep(0.05)
+    return dist.PrefixStore(f"{name}/{token}/", shared)
+
+
+def _round_rendezvous(url, timeout=datetime.timedelta(seconds=60), **kwargs):
+    query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    yield round_store(query["name"], rank, world_size, timeout.total_seconds()), rank, world_size
 
 
 def init_process_group(info, backend, timeout_s=60.0, device_id=None):

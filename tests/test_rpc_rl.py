@@ -243,11 +243,9 @@ def torchrun(*args):
     return [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
 
 
-# TensorPipe and gloo on loopback. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: by default torchrun's workers keep the
-# first round's TCP store across restarts, with the keys the dead workers left in it (their addresses), and a
-# restarted round connects to a dead peer (ECONNREFUSED) or hangs; with it, each round gets a fresh store.
-TORCHRUN_ENV = {**os.environ, "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# TensorPipe and gloo on loopback (torchrun's defaults otherwise: a restarted round meets in torchrun's shared
+# store under keys of its own, see common.round_store)
+TORCHRUN_ENV = {**os.environ, "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
