@@ -484,6 +484,29 @@ def test_results_that_cannot_be_written_end_the_run_and_keep_what_was_written(tm
     assert not list(results.parent.glob(".results.csv.zip.*"))  # no partial file left beside it
 
 
+def test_figures_that_cannot_be_written_keep_the_previous_ones(tmp_path):
+    """plot_figures writes each PNG atomically: under a file-size limit (a full disk) it raises CannotWrite, which
+    main turns into cannot_write's one line, and the figures written before are whole."""
+    async_hpo = import_keeping_environment("async_hpo")
+    import pandas as pd
+    results = pd.DataFrame({"trial_id": [0, 0, 1], "st_worker_timestamp": [1.0, 2.0, 3.0],
+                            "validation_error": [0.5, 0.3, 0.4]})
+    figures = async_hpo.plot_figures(results, 0.0, tmp_path)
+    written = {name: path.read_bytes() for name, path in figures.items()}
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))
+    try:
+        with pytest.raises(async_hpo.CannotWrite) as failure:
+            async_hpo.plot_figures(results.assign(validation_error=[0.6, 0.2, 0.1]), 0.0, tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    line = async_hpo.cannot_write(failure.value, tmp_path)
+    assert line.startswith(f"cannot write {tmp_path / 'incumbent.png'} (File too large): free space") and \
+        "--results-dir" in line, line
+    assert {name: path.read_bytes() for name, path in figures.items()} == written
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["incumbent.png", "learning_curves.png"]
+
+
 def test_a_trial_gets_the_tuners_gpu_not_the_physical_gpu_of_that_index(monkeypatch, tmp_path):
     """Syne Tune numbers the GPUs it sees 0..n-1; under a scheduler that gave the tuner GPUs 5 and 7 (or UUIDs,
     or MIG instances), trial GPU i must be entry i of the tuner's own CUDA_VISIBLE_DEVICES."""
