@@ -145,6 +145,9 @@ class Args:
     """validate on 10,000 images held out from the training set instead of the test set"""
     max_failures: int = 3
     """failed trials tolerated (crashed, killed, or hung); one more stops the search with an error"""
+    trial_threads: Optional[int] = None
+    """CPU threads each trial trains with; default: this machine's cores / --n-workers (on a Ray cluster, the
+    CPUs Ray reserves for each trial, always)"""
     trial_timeout: float = 120.0
     """a trial on this machine that uses no CPU time and writes no line for this many seconds (stopped or hung)
     is killed and counted as failed"""
@@ -169,6 +172,10 @@ def validate(args):
     check(args.limit_train is None or args.limit_train >= 1,
           f"--limit-train must be at least 1, got {args.limit_train}")
     check(args.max_failures >= 0, f"--max-failures must be 0 or more, got {args.max_failures}")
+    check(args.trial_threads is None or args.trial_threads >= 1,
+          f"--trial-threads must be at least 1, got {args.trial_threads}")
+    check(args.trial_threads is None or not args.ray_address,
+          "--trial-threads is for trials on this machine; on Ray each trial gets the CPUs Ray reserves for it")
     check(args.trial_timeout > 0, f"--trial-timeout must be positive, got {args.trial_timeout}")
     check(args.model == "lenet" or args.activation == "sigmoid",
           f"--activation {args.activation} is LeNet's; DropoutMLP uses ReLU: drop --activation or pass --model lenet")
@@ -683,10 +690,10 @@ class TrialProcesses(LocalBackend):
 
 
 def threads_per_trial(args, script):
-    """Each trial's share of this machine's cores; with --ray-address, join the cluster and take the CPUs Ray
-    reserves for each trial (cpus_per_trial)."""
+    """--trial-threads, or each trial's share of this machine's cores; with --ray-address, join the cluster and
+    take the CPUs Ray reserves for each trial (cpus_per_trial)."""
     if not args.ray_address:
-        return max(1, usable_cpus() // args.n_workers)
+        return args.trial_threads or max(1, usable_cpus() // args.n_workers)
     nodes = connect_to_ray(args.ray_address, script)
     threads = cpus_per_trial(nodes, args.n_workers, 1 if args.cuda else 0)
     check(threads >= 1, f"--n-workers {args.n_workers}: the Ray cluster at {args.ray_address} cannot run that "

@@ -5,6 +5,7 @@ results folder the way a user would."""
 import contextlib
 import gzip
 import io
+import json
 import math
 import os
 import resource
@@ -196,6 +197,8 @@ BAD_INPUT = [  # (what, flags, words the one line must hold); {tmp}: a fresh fol
     ("no training images", ["--limit-train", "0"], ["--limit-train must be at least 1"]),
     ("more training images than there are", ["--limit-train", "60001"], ["--limit-train 60001", "60000"]),
     ("negative failures", ["--max-failures", "-1"], ["--max-failures must be 0 or more"]),
+    ("zero trial threads", ["--trial-threads", "0"], ["--trial-threads must be at least 1"]),
+    ("trial threads on Ray", ["--trial-threads", "1", "--ray-address", "auto"], ["--trial-threads is for trials"]),
     ("zero trial timeout", ["--trial-timeout", "0"], ["--trial-timeout must be positive"]),
     ("NaN trial timeout", ["--trial-timeout", "nan"], ["--trial-timeout", "not a finite number"]),
     ("unknown scheduler", ["--scheduler", "hyperband"], ["--scheduler", "invalid choice"]),
@@ -450,7 +453,8 @@ def test_a_stopped_trial_is_killed_and_named_within_the_trial_timeout(tmp_path, 
 
 
 def test_a_killed_tuner_takes_its_trials_with_it(tmp_path, data_dir_args):
-    proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "3", "--results-dir", tmp_path)
+    """(And --trial-threads reaches the trials.)"""
+    proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "3", "--trial-threads", "3", "--results-dir", tmp_path)
     try:
         # each trial ties itself to the tuner (PR_SET_PDEATHSIG) before it writes trial.json
         wait_for(lambda: len(list(tmp_path.glob("*/[01]/trial.json"))) == 2, 60, "two trials to start")
@@ -460,6 +464,7 @@ def test_a_killed_tuner_takes_its_trials_with_it(tmp_path, data_dir_args):
     finally:
         finish(proc, 30)
     assert_all_ended(trials, timeout=5)
+    assert all(json.loads(config.read_text())["threads"] == 3 for config in tmp_path.glob("*/[01]/config.json"))
 
 
 def test_results_that_cannot_be_written_end_the_run_and_keep_what_was_written(tmp_path, data_dir_args):
