@@ -446,7 +446,9 @@ def test_a_stopped_trial_is_killed_and_named_within_the_trial_timeout(tmp_path, 
     assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
     assert f"trial 0 failed (pid {trial.pid} stopped: used no CPU time and wrote nothing for" in lines[0], lines
     assert "(--trial-timeout 3), killed" in lines[0] and "--max-failures 0" in lines[0], lines
-    assert 3 <= elapsed < 3 + 15, elapsed  # the timeout, plus a margin for the tuner's clean-up on a busy machine
+    # the timeout (less up to the 1 s between checks, when the trial was idle just before it was stopped), plus a
+    # margin for the tuner's clean-up on a busy machine
+    assert 3 - 1 <= elapsed < 3 + 15, elapsed
     assert f"trial 0 failed | pid {trial.pid} stopped" in out
     assert_all_ended([trial], timeout=5)  # the stopped one included
     assert not trial_processes(tmp_path)
