@@ -105,9 +105,10 @@ def main():
 
     sys.path.insert(0, str(BENCHMARKS.parent))
     sys.path.insert(0, str(BENCHMARKS))
-    import async_hpo
     from bench_async_hpo import EPOCHS
     from syne_tune.config_space import loguniform, randint
+
+    import async_hpo
 
     config_space = {"learning_rate": loguniform(1e-2, 1), "batch_size": randint(32, 256),
                     "max_epochs": EPOCHS, "tuner_pid": os.getpid()}

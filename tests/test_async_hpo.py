@@ -3,7 +3,12 @@ machine makes them slower, not different) run as subprocesses; the tests read th
 results folder the way a user would."""
 
 import contextlib
+import gzip
+import io
+import json
+import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -12,13 +17,14 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import OFFLINE, REPO, assert_usage_error, data_root, last_json, needs_gpus, start_script
+from conftest import OFFLINE, REPO, assert_all_ended, assert_usage_error, data_root, last_json, needs_gpus, start_script
 
 TRIAL_FLAG = "--st_config_json_filename"
 
@@ -173,31 +179,104 @@ def test_sigterm_stops_the_tuner_and_every_trial(tmp_path, data_dir_args):
     assert (experiment / "metadata.json").is_file() and (experiment / "0" / "std.out").is_file()
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["--n-workers", "0"], ["--n-workers"]),
-    (["--max-wallclock-time", "0"], ["--max-wallclock-time"]),
-    (["--max-trials", "0"], ["--max-trials"]),
-    (["--scheduler", "hyperband"], ["--scheduler", "invalid choice"]),
-])
-def test_bad_flags_are_one_line_exit_2(args, fragments, monkeypatch, capsys, tmp_path):
-    """In this process (main() checks flags before anything starts), to save a torch import per case."""
-    main = import_keeping_environment("async_hpo").main
-    from common import run_main
-    monkeypatch.setattr(sys, "argv", ["async_hpo.py", *args, "--results-dir", str(tmp_path / "results")])
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit status 2, before anything is written
+# ---------------------------------------------------------------------------------------------------------
+
+BAD_INPUT = [  # (what, flags, words the one line must hold); {tmp}: a fresh folder, {file}: a file in it
+    ("no workers", ["--n-workers", "0"], ["--n-workers must be at least 1"]),
+    ("negative workers", ["--n-workers", "-2"], ["--n-workers must be at least 1"]),
+    ("workers not a whole number", ["--n-workers", "1.5"], ["--n-workers", "invalid int value"]),
+    ("zero budget", ["--max-wallclock-time", "0"], ["--max-wallclock-time must be positive"]),
+    ("negative budget", ["--max-wallclock-time", "-60"], ["--max-wallclock-time must be positive"]),
+    ("NaN budget", ["--max-wallclock-time", "nan"], ["--max-wallclock-time", "not a finite number"]),
+    ("infinite budget", ["--max-wallclock-time", "inf"], ["--max-wallclock-time", "not a finite number"]),
+    ("no trials", ["--max-trials", "0"], ["--max-trials must be at least 1"]),
+    ("no epochs", ["--max-epochs", "0"], ["--max-epochs must be at least 1"]),
+    ("negative seed", ["--seed", "-1"], ["--seed must be between 0 and"]),
+    ("no training images", ["--limit-train", "0"], ["--limit-train must be at least 1"]),
+    ("more training images than there are", ["--limit-train", "60001"], ["--limit-train 60001", "60000"]),
+    ("negative failures", ["--max-failures", "-1"], ["--max-failures must be 0 or more"]),
+    ("zero trial threads", ["--trial-threads", "0"], ["--trial-threads must be at least 1"]),
+    ("trial threads on Ray", ["--trial-threads", "1", "--ray-address", "auto"], ["--trial-threads is for trials"]),
+    ("zero trial timeout", ["--trial-timeout", "0"], ["--trial-timeout must be positive"]),
+    ("NaN trial timeout", ["--trial-timeout", "nan"], ["--trial-timeout", "not a finite number"]),
+    ("unknown scheduler", ["--scheduler", "hyperband"], ["--scheduler", "invalid choice"]),
+    ("unknown model", ["--model", "resnet"], ["--model", "invalid choice"]),
+    ("LeNet's activation for the MLP", ["--model", "mlp", "--activation", "relu"], ["--activation relu is LeNet's"]),
+    ("results folder that is a file", ["--results-dir", "{file}"], ["--results-dir", "is a file; pass a folder"]),
+    ("results folder under a file", ["--results-dir", "{file}/results"], ["--results-dir", "is a file"]),
+    ("results folder with a space", ["--results-dir", "{tmp}/my results"], ["--results-dir", "spaces"]),
+    ("data folder that is a file", ["--data-dir", "{file}"], ["--data-dir", "is not a folder"]),
+    ("data folder without the data, offline", ["--data-dir", "{tmp}/empty"], ["cannot download", "--data-dir"]),
+    ("truncated data file", ["--data-dir", "{tmp}/truncated"],
+     ["train-images-idx3-ubyte.gz is unreadable or not gzip data"]),
+    ("data file that is not gzip", ["--data-dir", "{tmp}/garbage"],
+     ["train-labels-idx1-ubyte.gz is unreadable or not gzip data"]),
+    ("data file with other contents", ["--data-dir", "{tmp}/other"], ["t10k-labels-idx1-ubyte.gz is corrupt"]),
+    ("folder where a data file belongs", ["--data-dir", "{tmp}/folder-for-file"],
+     ["t10k-images-idx3-ubyte.gz is a folder, not the data file", "--data-dir"]),
+    ("unreadable data folder", ["--data-dir", "{tmp}/unreadable"], ["--data-dir", "is not readable"]),
+    ("results folder that cannot be written", ["--results-dir", "{tmp}/read-only/results"],
+     ["--results-dir", "cannot write in"]),
+]
+NEEDS_PERMISSIONS = {"unreadable data folder", "results folder that cannot be written"}  # root ignores them
+
+
+def bad_input_folder(folder, data):
+    """The files and folders the BAD_INPUT cases name: data folders with one damaged file each (the others are
+    links to the real data in `data`), a plain file, an empty folder, and folders without read or write
+    permission."""
+    from common import FASHION_MNIST_FILES
+    damaged = {"truncated": ("train-images-idx3-ubyte.gz", (data / "train-images-idx3-ubyte.gz").read_bytes()[:2000]),
+               "garbage": ("train-labels-idx1-ubyte.gz", b"not gzip at all"),
+               "other": ("t10k-labels-idx1-ubyte.gz", gzip.compress(b"\0" * 10_008)),
+               "folder-for-file": ("t10k-images-idx3-ubyte.gz", None)}
+    for name, (bad_file, contents) in damaged.items():
+        (folder / name).mkdir()
+        for file in FASHION_MNIST_FILES:
+            if file != bad_file:
+                (folder / name / file).symlink_to(data / file)
+        if contents is None:
+            (folder / name / bad_file).mkdir()
+        else:
+            (folder / name / bad_file).write_bytes(contents)
+    (folder / "file").write_text("not a folder")
+    (folder / "empty").mkdir()
+    (folder / "unreadable").mkdir(mode=0)
+    (folder / "read-only").mkdir(mode=0o500)
+
+
+def tree(folder):
+    """Every path under folder with its size: what a run wrote there shows as a difference."""
+    return {str(path.relative_to(folder)): path.lstat().st_size for path in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("what, args, fragments", BAD_INPUT, ids=[case[0] for case in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(what, args, fragments, monkeypatch, capsys, tmp_path):
+    """In this process through main() (which checks flags, paths and data before a trial starts), to save a
+    torch import per case; a case that got past the checks would reach run_search, which fails the test."""
+    if what in NEEDS_PERMISSIONS and os.geteuid() == 0:
+        pytest.skip("root reads and writes whatever the permission bits say")
+    async_hpo = import_keeping_environment("async_hpo")
+    from common import fashion_mnist_dir, run_main
+    data = Path(fashion_mnist_dir(data_root()))
+    bad_input_folder(tmp_path, data)
+    before = tree(tmp_path)
+    args = [arg.format(tmp=tmp_path, file=tmp_path / "file") for arg in args]
+    defaults = {"--results-dir": str(tmp_path / "results"), "--data-dir": str(data)}
+    argv = [*args, *(part for flag, value in defaults.items() if flag not in args for part in (flag, value))]
+    monkeypatch.setattr(sys, "argv", ["async_hpo.py", *argv])
+    monkeypatch.setattr(async_hpo, "run_search", lambda *_, **__: pytest.fail("a search started"))
+    for name, value in OFFLINE.items():  # a download fails at once, as without a network
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen builds its opener (and proxies) anew
     with pytest.raises(SystemExit) as exit_info:
-        run_main(main)
+        run_main(async_hpo.main)
     captured = capsys.readouterr()
-    assert_usage_error(subprocess.CompletedProcess(args, exit_info.value.code, captured.out, captured.err), *fragments)
-    assert not (tmp_path / "results").exists()  # nothing was started
-
-
-def test_no_data_offline_is_one_line_exit_2(tmp_path):
-    (tmp_path / "empty").mkdir()
-    proc = subprocess.run([sys.executable, str(REPO / "async_hpo.py"), "--data-dir", str(tmp_path / "empty"),
-                           "--results-dir", str(tmp_path / "results")], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **OFFLINE})
-    assert_usage_error(proc, "--data-dir")
-    assert not (tmp_path / "results").exists()
+    assert_usage_error(subprocess.CompletedProcess(argv, exit_info.value.code, captured.out, captured.err), *fragments)
+    assert captured.out == ""
+    assert tree(tmp_path) == before  # nothing written: no results folder, no download, no data file touched
 
 
 def test_seed_fixes_the_sequence_of_configurations():
@@ -209,7 +288,7 @@ def test_seed_fixes_the_sequence_of_configurations():
         search = async_hpo.make_scheduler(async_hpo.Args(scheduler=scheduler, seed=seed), space)
         return [search.suggest().config for _ in range(5)]
 
-    for scheduler in ("random", "bo", "asha"):
+    for scheduler in ("random", "bo", "gp", "asha", "local"):
         first = configs(scheduler, 0)
         assert first[0] == {"learning_rate": 0.1, "batch_size": 128, "max_epochs": 10}  # the tutorial's start
         assert configs(scheduler, 0) == first
@@ -230,6 +309,209 @@ def test_holdout_validates_on_training_images_unseen_in_training():
     assert len(load_split(folder, True, 1000, seed=0)[0]) == 1000
     assert not load_split(folder, True, None, seed=1)[2].equal(val_x)  # the split follows the seed
     assert load_split(folder, False, None, seed=0)[2].equal(test_x)  # default: the 10k test split
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tutorial's exercises: DropoutMLP, Gaussian-process BO, local search
+# ---------------------------------------------------------------------------------------------------------
+
+def report(scheduler, trial_id, config, error):
+    """What Syne Tune's tuner does with a trial's report: tell the scheduler (and through it the searcher)."""
+    from syne_tune.backend.trial_status import Trial
+    trial = Trial(trial_id=trial_id, config=config, creation_time=None)
+    scheduler.on_trial_result(trial, {"epoch": 1, "validation_error": error})
+    scheduler.on_trial_complete(trial, {"epoch": 1, "validation_error": error})
+
+
+def test_local_searcher_samples_around_the_incumbent():
+    """Through the Syne Tune scheduler that --scheduler local builds: random configurations until a trial
+    reports, then steps of about 10% of each range around the best configuration reported so far."""
+    async_hpo = import_keeping_environment("async_hpo")
+    import numpy as np
+    from syne_tune.config_space import choice
+    space = {**async_hpo.search_space("mlp"), "optimizer": choice(["sgd", "adam", "rmsprop"]), "max_epochs": 1}
+    scheduler = async_hpo.make_scheduler(async_hpo.Args(model="mlp", scheduler="local", seed=0), space)
+
+    def suggestions(count):
+        return [scheduler.suggest().config for _ in range(count)]
+
+    def log_lr(configs):
+        return np.log([config["learning_rate"] for config in configs])
+
+    first = scheduler.suggest().config
+    assert {name: first[name] for name in async_hpo.FIRST_CONFIGS["mlp"]} == async_hpo.FIRST_CONFIGS["mlp"]
+    random = suggestions(300)  # nobody has reported yet: the whole space
+    assert np.std(log_lr(random)) > 1.1  # uniform over log(0.01)..log(1): 1.33
+    worse, best, later_worse = random[:3]
+    report(scheduler, 1, worse, 0.5)
+    report(scheduler, 2, best, 0.3)
+    report(scheduler, 3, later_worse, 0.4)  # reported last, but not better
+    near = suggestions(300)
+    step = 0.1 * math.log(100)  # 10% of the log range of the learning rate
+    assert abs(np.median(log_lr(near)) - math.log(best["learning_rate"])) < step / 2
+    assert 0.7 * step < np.std(log_lr(near)) < 1.3 * step or best["learning_rate"] in (0.01, 1.0)
+    for name, domain in async_hpo.search_space("mlp").items():
+        values = np.array([config[name] for config in near])
+        assert ((domain.lower <= values) & (values <= domain.upper)).all(), name
+        assert abs(np.median(values) - best[name]) <= 0.1 * (domain.upper - domain.lower), (name, best[name])
+        assert all(type(config[name]) is type(best[name]) for config in near), name  # int stays int
+    changed = sum(config["optimizer"] != best["optimizer"] for config in near) / len(near)
+    assert 0.03 < changed < 0.2  # a categorical value changes with probability 0.1
+    report(scheduler, 4, near[0], 0.1)  # a better one: the search moves there
+    moved = suggestions(100)
+    assert abs(np.median(log_lr(moved)) - math.log(near[0]["learning_rate"])) < step / 2
+
+
+def test_gp_scheduler_fits_its_model_and_closes_in_on_the_minimum(caplog):
+    """--scheduler gp is Syne Tune's BOTorch searcher: after 3 observations (the first configuration and two
+    random ones) it proposes the maximum of expected improvement under a GP fitted to them. It falls back to a
+    random configuration (with a warning) whenever botorch fails, so the test checks that it never did, and that
+    its proposals close in on the minimum of a smooth objective, where random ones average about 0.7."""
+    async_hpo = import_keeping_environment("async_hpo")
+    scheduler = async_hpo.make_scheduler(async_hpo.Args(scheduler="gp", seed=0), async_hpo.search_space("lenet"))
+
+    def objective(config):  # smallest at learning rate 10**-0.5, batch 100
+        return (math.log10(config["learning_rate"]) + 0.5) ** 2 + ((config["batch_size"] - 100) / 224) ** 2
+
+    errors = []
+    with caplog.at_level("WARNING"):
+        for trial_id in range(8):
+            config = scheduler.suggest().config
+            errors.append(objective(config))
+            report(scheduler, trial_id, config, errors[-1])
+    assert not [record for record in caplog.records if "sampling randomly" in record.getMessage()]
+    proposed = errors[3:]
+    assert min(proposed) < 0.05 and sum(proposed[-3:]) / 3 < 0.2, errors
+
+
+def test_dropout_mlp_local_search_from_a_copied_folder(tmp_path, data_dir_args):
+    """The script and common.py alone in an empty folder (what a user copies) search DropoutMLP locally. One
+    worker: trial 1 is proposed after trial 0 (the tutorial's configuration) has reported, so it is the local
+    searcher's step from trial 0, exactly as the seeded searcher draws it here."""
+    for name in ("async_hpo.py", "common.py"):
+        shutil.copy(REPO / name, tmp_path)
+    proc = subprocess.Popen([sys.executable, "async_hpo.py", *data_dir_args, "--model", "mlp", "--scheduler", "local",
+                             "--n-workers", "1", "--limit-train", "2000", "--max-epochs", "1", "--max-trials", "2",
+                             "--max-wallclock-time", "400"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code, out, err = finish(proc, 480)
+    assert code == 0, err
+    result = last_json(out)
+    assert Path(result["results_dir"]) == tmp_path / "runs" / "async_hpo"  # the default, beside the copy
+    trials = {row["trial"]: row for row in result["trials"]}
+    assert (result["model"], result["scheduler"], trials[1]["status"]) == ("mlp", "local", "completed"), out
+    async_hpo = import_keeping_environment("async_hpo")
+    first = async_hpo.FIRST_CONFIGS["mlp"]
+    assert {name: trials[0][name] for name in first} == first
+    assert set(result["best_config"]) == set(first) and result["best_validation_error"] < 0.8, result  # chance: 0.9
+    scheduler = async_hpo.make_scheduler(async_hpo.Args(model="mlp", scheduler="local"), async_hpo.search_space("mlp"))
+    report(scheduler, 0, scheduler.suggest().config, trials[0]["val_err"])
+    step = scheduler.suggest().config
+    assert {name: trials[1][name] for name in first} == pytest.approx(step)
+    assert trials[1]["learning_rate"] != first["learning_rate"]
+
+
+def test_gp_search_proposes_from_its_model(tmp_path, data_dir_args):
+    """Two workers, four trials: the fifth proposal comes once three trials have finished, from the GP (botorch
+    did not fail, which would fall back to a random proposal and say so in tuner.log). botorch's warnings go
+    to tuner.log, not to the console."""
+    proc = start_search(*data_dir_args, *QUICK, "--scheduler", "gp", "--max-epochs", "1", "--max-trials", "4",
+                        "--results-dir", tmp_path)
+    code, out, err = finish(proc, 480)
+    assert code == 0 and err == "", err
+    result = last_json(out)
+    assert result["scheduler"] == "gp" and result["trials_completed"] >= 4 and result["trials_started"] >= 5, out
+    assert result["best_validation_error"] < 0.8, result
+    log = (Path(result["results_dir"]) / result["experiment"] / "tuner.log").read_text()
+    assert "Scheduler: BOTorch" in log and "sampling randomly" not in log
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Faults: a stopped trial, a killed tuner, results that cannot be written
+# ---------------------------------------------------------------------------------------------------------
+
+def test_a_stopped_trial_is_killed_and_named_within_the_trial_timeout(tmp_path, data_dir_args):
+    """SIGSTOP trial 0: after --trial-timeout seconds without CPU time or output it is killed and counted
+    failed; with --max-failures 0 the search ends, exit status 1, one line naming it. Nothing is left."""
+    proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "3", "--n-workers", "1", "--max-failures", "0",
+                        "--trial-timeout", "3", "--results-dir", tmp_path)
+    try:
+        (trial,) = wait_for(lambda: trial_processes(tmp_path, 0), 60, "trial 0 to start")
+        trial.suspend()
+        stopped_at = time.monotonic()
+    finally:
+        code, out, err = finish(proc, 120)
+    elapsed = time.monotonic() - stopped_at
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"trial 0 failed (pid {trial.pid} stopped: used no CPU time and wrote nothing for" in lines[0], lines
+    assert "(--trial-timeout 3), killed" in lines[0] and "--max-failures 0" in lines[0], lines
+    # the timeout (less up to the 1 s between checks, when the trial was idle just before it was stopped), plus a
+    # margin for the tuner's clean-up on a busy machine
+    assert 3 - 1 <= elapsed < 3 + 15, elapsed
+    assert f"trial 0 failed | pid {trial.pid} stopped" in out
+    assert_all_ended([trial], timeout=5)  # the stopped one included
+    assert not trial_processes(tmp_path)
+
+
+def test_a_killed_tuner_takes_its_trials_with_it(tmp_path, data_dir_args):
+    """(And --trial-threads reaches the trials.)"""
+    proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "3", "--trial-threads", "3", "--results-dir", tmp_path)
+    try:
+        # each trial ties itself to the tuner (PR_SET_PDEATHSIG) before it writes trial.json
+        wait_for(lambda: len(list(tmp_path.glob("*/[01]/trial.json"))) == 2, 60, "two trials to start")
+        trials = trial_processes(tmp_path)
+        assert len(trials) == 2
+        proc.kill()
+    finally:
+        finish(proc, 30)
+    assert_all_ended(trials, timeout=5)
+    assert all(json.loads(config.read_text())["threads"] == 3 for config in tmp_path.glob("*/[01]/config.json"))
+
+
+def test_results_that_cannot_be_written_end_the_run_and_keep_what_was_written(tmp_path, data_dir_args):
+    """The disk fills up mid-search (a file-size limit of 1 kB on the tuner, smaller than tuner.log already is):
+    one line that says what to do, exit status 1, no trial left, and results.csv.zip as last written loads."""
+    proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "1", "--results-dir", tmp_path)
+    try:
+        results = wait_for(lambda: next(tmp_path.glob("*/results.csv.zip"), None), 120, "the first results")
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (1000, 1000))
+        written = results.read_bytes()
+    finally:
+        code, out, err = finish(proc, 120)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert "cannot write" in lines[0] and "File too large" in lines[0], lines
+    assert "free space on that disk" in lines[0] and "--results-dir" in lines[0], lines
+    assert not trial_processes(tmp_path)
+    import pandas as pd
+    experiment = import_keeping_environment("syne_tune.experiments").load_experiment(
+        results.parent.name, local_path=str(tmp_path))
+    assert len(experiment.results) >= len(pd.read_csv(io.BytesIO(written), compression="zip")) >= 1
+    assert not list(results.parent.glob(".results.csv.zip.*"))  # no partial file left beside it
+
+
+def test_figures_that_cannot_be_written_keep_the_previous_ones(tmp_path):
+    """plot_figures writes each PNG atomically: under a file-size limit (a full disk) it raises CannotWrite, which
+    main turns into cannot_write's one line, and the figures written before are whole."""
+    async_hpo = import_keeping_environment("async_hpo")
+    import pandas as pd
+    results = pd.DataFrame({"trial_id": [0, 0, 1], "st_worker_timestamp": [1.0, 2.0, 3.0],
+                            "validation_error": [0.5, 0.3, 0.4]})
+    figures = async_hpo.plot_figures(results, 0.0, tmp_path)
+    written = {name: path.read_bytes() for name, path in figures.items()}
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))
+    try:
+        with pytest.raises(async_hpo.CannotWrite) as failure:
+            async_hpo.plot_figures(results.assign(validation_error=[0.6, 0.2, 0.1]), 0.0, tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    line = async_hpo.cannot_write(failure.value, tmp_path)
+    assert line.startswith(f"cannot write {tmp_path / 'incumbent.png'} (File too large): free space") and \
+        "--results-dir" in line, line
+    assert {name: path.read_bytes() for name, path in figures.items()} == written
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["incumbent.png", "learning_curves.png"]
 
 
 def test_a_trial_gets_the_tuners_gpu_not_the_physical_gpu_of_that_index(monkeypatch, tmp_path):
@@ -334,7 +616,7 @@ sys.stdin.read()
 
 class LoopbackRayCluster:
     """A Ray cluster of two nodes with one CPU each, started as `ray start --head` and `ray start --address`
-    (the recipe of docs/async_hpo_ray.md) in a network namespace that has nothing but a loopback interface:
+    (the recipe of docs/async_hpo.md) in a network namespace that has nothing but a loopback interface:
     Ray's GCS and raylets listen on every interface there is, and there, loopback is the only one. Commands
     run in the namespace with `in_namespace`. Lives in the pytest process."""
 
