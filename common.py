@@ -613,14 +613,18 @@ def fetch_dataset(data_dir, subdir, files, mirrors, checksum):
         if (target / name).is_file():
             continue
         try:
-            target.mkdir(parents=True, exist_ok=True)
             data = _download([mirror + name for mirror in mirrors])
         except OSError as error:
             raise UsageError(f"cannot download {name} ({error}); put {names} in a folder and pass "
                              f"--data-dir FOLDER") from None
         check(checksum(name, data) == expected,
               f"downloaded {name} has the wrong checksum; put {names} in a folder and pass --data-dir FOLDER")
-        write_atomic(target / name, data)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            write_atomic(target / name, data)
+        except OSError as error:
+            raise UsageError(f"cannot write {target / name} ({error.strerror or error}); pass a --data-dir you "
+                             f"can write to, with room for the data") from None
     return target
 
 
