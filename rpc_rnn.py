@@ -316,8 +316,9 @@ def run_trainer(args, corpus, device, ps_device, resume_from):
     for epoch in range(run.epoch, args.epochs + 1):
         epoch_start = time.perf_counter()
         model.train()
-        hidden = run.start_epoch() or model.init_hidden(args.batch_size, device)
-        for batch in range(run.batch, batches):
+        first_batch, hidden = run.start_epoch()
+        hidden = hidden or model.init_hidden(args.batch_size, device)
+        for batch in range(first_batch, batches):
             input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
             loss, hidden = train_step(model, optimizer, input, targets, detach_hidden(hidden), args.clip)
             run.record(loss, targets.numel())
@@ -676,10 +677,11 @@ class Progress:
     interval_seconds: float = 0.0
 
     def start_epoch(self):
-        """Start the clock of the current log interval; returns the LSTM state to start from, or None (zeros)."""
+        """Start the clock of the log interval; returns the batch to start from (0 unless resuming within the epoch)
+        and the LSTM state to start with (None: zeros)."""
         self.interval_start = time.perf_counter() - self.interval_seconds
-        hidden, self.hidden = self.hidden, None
-        return hidden
+        (batch, self.batch), (hidden, self.hidden) = (self.batch, 0), (self.hidden, None)
+        return batch, hidden
 
     def record(self, loss, tokens):
         self.losses.append(loss)
