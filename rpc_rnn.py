@@ -105,7 +105,8 @@ class Args:
     checkpoint_interval: Optional[int] = None
     """also write that checkpoint every this many training batches within an epoch"""
     resume: bool = False
-    """continue exactly from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning)"""
+    """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning): on a CPU,
+    exactly as if the run had never stopped"""
     cuda: bool = False
     """embedding and decoder on the ps's GPU, LSTM on the trainer's; RPC device maps move the tensors"""
     rpc_timeout: float = 60.0
@@ -328,9 +329,10 @@ def run_trainer(args, corpus, device, ps_device, resume_from):
                       flush=True)
             if args.checkpoint_interval and (batch + 1) % args.checkpoint_interval == 0 and batch + 1 < batches:
                 write_checkpoint(args, corpus, model, run.at(epoch, batch + 1, hidden), device, ps_device)
+        epoch_seconds = time.perf_counter() - epoch_start
         run.valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
         print(f"epoch {epoch} | valid loss {run.valid_loss:.2f} | valid ppl {math.exp(min(run.valid_loss, 50)):.1f} | "
-              f"{time.perf_counter() - epoch_start:.1f} s/epoch", flush=True)
+              f"{epoch_seconds:.1f} s/epoch", flush=True)
         if run.valid_loss < run.best_valid:
             run.best_valid, run.best_state = run.valid_loss, gathered_state_dict(model)
             if args.save:
