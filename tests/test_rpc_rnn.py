@@ -335,6 +335,8 @@ def bad_invocations(text_dir, trained, tmp):
     resume_dir.mkdir()
     shutil.copy(trained["checkpoint"], resume_dir / "rpc_rnn.pt")
     damaged(trained["checkpoint"], damaged_dir)
+    damaged(trained["save"], tmp / "damaged-save")
+    (tmp / "folder-checkpoint" / "rpc_rnn.pt").mkdir(parents=True)
     resume = [*data, *TRAIN, "--checkpoint-dir", resume_dir, "--resume"]
     truncated = tmp / "truncated.pt"
     truncated.write_bytes(trained["save"].read_bytes()[:5000])
@@ -378,6 +380,9 @@ def bad_invocations(text_dir, trained, tmp):
         "load-garbage": (["--generate", "5", "--load", garbage], "not a readable checkpoint"),
         "load-truncated": (["--generate", "5", "--load", truncated], "not a readable checkpoint"),
         "load-of-another-script": (["--generate", "5", "--load", other_script], "a checkpoint of multi_gpu.py"),
+        "load-damaged": (["--generate", "5", "--load", tmp / "damaged-save" / "rpc_rnn.pt"], "damaged"),
+        "checkpoint-is-a-folder": ([*data, "--checkpoint-dir", tmp / "folder-checkpoint", "--resume"],
+                                   "rpc_rnn.pt is a folder"),
         "resume-damaged": ([*data, *TRAIN, "--checkpoint-dir", damaged_dir, "--resume"], "damaged"),
         "resume-another-recipe": ([*resume, "--emsize", "64"], "written with --emsize 48"),
         "resume-another-text": ([*resume, "--data-dir", corpus_like(text_dir, tmp / "other", train="a b c\n" * 99)],
@@ -398,7 +403,8 @@ BAD_CASES = [
     "data-dir-is-a-file", "no-data-offline", "train-txt-is-a-folder", "empty-corpus", "one-line-corpus", "not-utf8",
     "unreadable-train-txt", "save-is-a-folder", "save-in-a-missing-folder", "checkpoint-dir-is-a-file",
     "resume-without-checkpoint-dir", "load-without-generate", "load-missing", "load-is-a-folder", "load-garbage",
-    "load-truncated", "load-of-another-script", "resume-damaged", "resume-another-recipe", "resume-another-text",
+    "load-truncated", "load-of-another-script", "load-damaged", "checkpoint-is-a-folder", "resume-damaged",
+    "resume-another-recipe", "resume-another-text",
     "resume-more-epochs-than-asked", "check-gradients-with-dropout", "cuda-without-gpu",
 ]
 
