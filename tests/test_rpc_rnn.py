@@ -236,6 +236,22 @@ def torchrun(*args):
     return [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
 
 
+def kill_tree(proc):
+    """Kill a torchrun agent that is still running, and its workers (which do not die with a killed agent)."""
+    if proc.poll() is not None:
+        return
+    try:
+        processes = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=10)
+
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -253,7 +269,7 @@ def test_two_torchrun_nodes_compute_the_losses_of_the_spawned_run(trained, text_
         outputs = [node.communicate(timeout=180) for node in nodes]
     finally:
         for node in nodes:
-            node.kill()
+            kill_tree(node)
     assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
     assert outputs[0][0] == ""  # node 0 is the ps: it says nothing
     result = last_json(outputs[1][0])
@@ -288,7 +304,7 @@ def test_torchrun_restarts_after_killed_trainers_end_with_the_uninterrupted_loss
         second_resume = wait_for_line(agent, "resuming at", timeout=120)
         rest, stderr = agent.communicate(timeout=180)
     finally:
-        agent.kill()
+        kill_tree(agent)
     assert agent.returncode == 0, stderr[-3000:]
     # Each restarted group resumed from a checkpoint: progress was kept, not started again.
     first, second = ([int(n) for n in re.findall(r"\d+", line.split(" from ")[0])] for line in (first_resume,
