@@ -425,30 +425,38 @@ BAD_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def bad_inputs(text_dir, trained, tmp_path_factory):
+    """The folder holding every file the bad invocations name, made once, and the invocations."""
+    folder = tmp_path_factory.mktemp("bad-inputs")
+    cases = bad_invocations(text_dir, trained, folder)
+    assert sorted(cases) == sorted(BAD_CASES)  # every case of the table is run
+    return folder, cases
+
+
 @pytest.mark.parametrize("case", BAD_CASES)
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, text_dir, trained, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, bad_inputs, monkeypatch, capsys):
     """Through main() in this process (a subprocess per case would cost seconds of imports each; the next test
     runs two cases end to end): no process is started, nothing is written."""
     if case == "cuda-without-gpu" and common.cuda_device_count() > 0:
         pytest.skip("this machine has a GPU")
     if case == "unreadable-train-txt" and os.geteuid() == 0:
         pytest.skip("root reads any file whatever its permission bits")
-    cases = bad_invocations(text_dir, trained, tmp_path)
-    assert sorted(cases) == sorted(BAD_CASES)  # every case of the table is run
+    folder, cases = bad_inputs
     argv, fragment = cases[case]
     if case == "no-data-offline":
         for name, value in OFFLINE.items():
             monkeypatch.setenv(name, value)
     monkeypatch.setattr(common, "launch", lambda *args, **kwargs: pytest.fail("a process was started"))
     monkeypatch.setattr(sys, "argv", ["rpc_rnn.py", *map(str, argv)])
-    before = files_under(tmp_path)
+    before = files_under(folder)
     with pytest.raises(SystemExit) as exit_info:
         common.run_main(rpc_rnn.main)
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and captured.out == "", (fragment, captured)
-    assert files_under(tmp_path) == before
+    assert files_under(folder) == before
 
 
 @pytest.mark.parametrize("args, fragment", [
