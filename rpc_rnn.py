@@ -1,48 +1,52 @@
 """Model-parallel LSTM word language model over RPC: a parameter server and a trainer, trained on WikiText-2.
 
-The model of pytorch/examples' word_language_model (embedding -> 2-layer LSTM -> linear decoder) is cut in
-two processes. Rank 0, the parameter server "ps", owns the embedding table and the decoder; rank 1, the
-"trainer", owns the LSTM and drives training. The trainer creates the ps's modules with `rpc.remote` and runs
-the forward pass as if the model were local: an RPC stands where a single-machine model-parallel version would
-call `.to(device)`. Backward runs across both processes with `dist_autograd.backward` inside a
-`dist_autograd.context()`, gradients are clipped on their global norm over the parameters of both processes,
-and a `DistributedOptimizer` applies SGD on each owner. The loss is computed where the decoder lives: the
-trainer sends the LSTM output and the targets to the ps and receives one number, instead of the tutorial's
-logits (35 x 20 x 33k floats, about 93 MB per batch on WikiText-2); `--ship-logits` keeps the tutorial's path.
-`--check-gradients` proves the distributed math: it runs the same batches through the same model in one
-process and reports the largest difference of the (clipped) gradients and of the weights after each step.
+Part 2 of PyTorch's "Getting started with the distributed RPC framework", on real data. The model of
+pytorch/examples' word_language_model (embedding -> 2-layer LSTM -> linear decoder) is cut in two processes.
+Rank 0, the parameter server "ps", owns the embedding table and the decoder; rank 1, the "trainer", owns the LSTM
+and drives training. The trainer creates the ps's modules with `rpc.remote` and calls them through their RRefs
+(`rref.rpc_sync().forward(x)`) where a one-machine model-parallel version would call `.to(device)`. Backward
+runs across both processes with `dist_autograd.backward` inside a `dist_autograd.context()`, and a distributed
+optimizer applies SGD on each owner of parameters. Beyond the tutorial: the loss is computed on the ps (one number
+comes back instead of the logits), gradients are clipped on their global norm over both processes,
+--check-gradients compares everything with the same model in one process, and runs checkpoint and resume.
 
-Commands:
-    python rpc_rnn.py --data-dir ../shared/data                   # CPU, 2 processes, classic recipe
-    python rpc_rnn.py --data-dir ../shared/data --epochs 1 --max-batches 200 --emsize 64 --nhid 64
-    python rpc_rnn.py --cuda --epochs 6 --save lm.pt              # embedding + decoder on a GPU, LSTM on another
-    python rpc_rnn.py --generate 100 --load lm.pt                 # sample 100 words, one process, no RPC
-    python rpc_rnn.py --check-gradients --dropout 0 --clip 0.05   # distributed vs one-process gradients
-    torchrun --standalone --nproc_per_node=2 rpc_rnn.py --data-dir ../shared/data
-    torchrun --nnodes=2 --nproc_per_node=1 --node_rank=R --master_addr=HOST --master_port=PORT rpc_rnn.py
-      (node_rank 0 becomes the ps, node_rank 1 the trainer)
+Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/valid/test.txt from DIR instead):
+    python rpc_rnn.py                                     # CPU, 2 processes, the classic recipe (40 epochs)
+    python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64      # 4 to 10 minutes on 2 cores
+    python rpc_rnn.py --cuda --epochs 6 --save lm.pt      # embedding + decoder on a GPU, LSTM on another (or the same)
+    python rpc_rnn.py --generate 100 --load lm.pt         # sample 100 words in this process, no RPC
+    python rpc_rnn.py --check-gradients --dropout 0 --clip 0.05 --emsize 32 --nhid 32    # distributed == 1 process
+    python rpc_rnn.py --checkpoint-dir ckpt --resume      # checkpoints each epoch; run it again to continue
+    torchrun --standalone --nproc-per-node 2 rpc_rnn.py
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 rpc_rnn.py --checkpoint-dir ckpt --resume
+    # two nodes (node rank 0 is the ps, 1 the trainer); MASTER_ADDR = node 0's address on a trusted network:
+    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 1 --master-addr $MASTER_ADDR --master-port 29400 \\
+        rpc_rnn.py
 
-Last lines of `python rpc_rnn.py --data-dir ../shared/data --epochs 1 --max-batches 200 --emsize 64 --nhid 64`
-(2-core CPU shared with other work, 4 min 46 s, more than half of it evaluating the full valid and test sets
-with the 33k-word decoder):
-    epoch 1 | batch 200/200 | lr 20.00 | 560.5 ms/batch | loss 7.66 | ppl 2123.5 | 1.2k tokens/s
-    epoch 1 | valid loss 7.04 | valid ppl 1143.5 | 112.1 s/epoch
-    test loss 6.97 | test ppl 1065.6
+Last lines of `python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64` (4 min 22 s on a 2-core CPU
+shared with other work, two thirds of it evaluating the full valid and test sets with the 33k-word decoder):
+    epoch 1 | batch 200/200 | lr 20.00 | 396.9 ms/batch | loss 7.66 | ppl 2123.8 | 1.8k tokens/s
+    epoch 1 | valid loss 7.27 | valid ppl 1439.7 | 79.4 s/epoch
+    test loss 7.20 | test ppl 1339.1
     {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": 9.83, ...}
 """
 
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
+from urllib.parse import parse_qsl, urlparse
 
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import optim
 from torch.distributed import rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.nn.utils import skip_init
 
 import common
@@ -88,13 +92,20 @@ class Args:
     save: Optional[str] = None
     """write the model with the best valid loss here: one file for the plain one-process RNNModel"""
     load: Optional[str] = None
-    """checkpoint to sample from with --generate"""
+    """checkpoint to sample from with --generate (written by --save, or a --checkpoint-dir checkpoint)"""
     generate: Optional[int] = None
     """sample this many words from the --load checkpoint in this process, then exit"""
     temperature: float = 1.0
     """sampling temperature for --generate (lower: more conservative text)"""
     check_gradients: bool = False
     """run --max-batches (default 2) batches both distributed and in one process and report the differences"""
+    checkpoint_dir: Optional[str] = None
+    """write a checkpoint of the whole run (both processes) here after every epoch, atomically"""
+    checkpoint_interval: Optional[int] = None
+    """also write that checkpoint every this many training batches within an epoch"""
+    resume: bool = False
+    """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning): on a CPU,
+    exactly as if the run had never stopped"""
     cuda: bool = False
     """embedding and decoder on the ps's GPU, LSTM on the trainer's; RPC device maps move the tensors"""
     rpc_timeout: float = 60.0
@@ -102,81 +113,52 @@ class Args:
     call on the full 33k-word vocabulary was seen to take 21 s on a 2-core machine under heavy load"""
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Data: word vocabulary with <eos>, streams of token ids, bptt windows
-# ---------------------------------------------------------------------------------------------------------
-
-class Corpus:
-    """Token ids of train/valid/test, one vocabulary over all three (as pytorch/examples does). Built in the
-    launching process, before any worker starts, so that a bad file is a one-line error."""
-
-    def __init__(self, folder):
-        self.words = []
-        self.index = {}
-        self.train, self.valid, self.test = (self.tokenize(Path(folder) / name)
-                                             for name in ("train.txt", "valid.txt", "test.txt"))
-
-    def tokenize(self, path):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise UsageError(f"cannot read {path} ({error}); pass a --data-dir with UTF-8 text files") from None
-        ids = []
-        for line in text.splitlines():
-            for word in line.split() + ["<eos>"]:
-                if word not in self.index:
-                    self.index[word] = len(self.words)
-                    self.words.append(word)
-                ids.append(self.index[word])
-        check(len(text.split()) > 0, f"{path} holds no words; pass a --data-dir with train/valid/test.txt text")
-        return torch.tensor(ids, dtype=torch.long)
-
-
-def batchify(data, batch_size, device):
-    """[tokens] -> [tokens // batch_size, batch_size]: column j is the j-th slice of the text, read top down."""
-    rows = data.size(0) // batch_size
-    return data[:rows * batch_size].view(batch_size, rows).t().contiguous().to(device)
-
-
-def get_batch(source, i, bptt):
-    """Window of up to bptt rows starting at row i, and the same window shifted one word ahead as targets."""
-    length = min(bptt, source.size(0) - 1 - i)
-    return source[i:i + length], source[i + 1:i + 1 + length]
-
-
-def zero_hidden(lstm, batch_size, device="cpu"):
-    """The LSTM's initial (h, c) state for batch_size streams."""
-    shape = (lstm.num_layers, batch_size, lstm.hidden_size)
-    return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
-
-
-def lm_loss(logits, targets):
-    """Mean cross-entropy of next-word logits [rows, batch, ntoken] against target ids [rows, batch]."""
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def detach_hidden(hidden):
-    """Keep the LSTM state across windows but cut the graph, so backward stops at the window's start."""
-    return tuple(h.detach() for h in hidden)
+def validate(args):
+    """The rules of the flags and of the paths they name, checked before any work starts: each broken rule is one
+    line on stderr and exit status 2. The data and a --resume checkpoint are checked once read (check_corpus,
+    read_checkpoint), also before any process starts."""
+    check(args.emsize > 0 and args.nhid > 0 and args.nlayers > 0, "--emsize, --nhid and --nlayers must be > 0")
+    check(0.0 <= args.dropout < 1.0, f"--dropout must be in [0, 1), got {args.dropout}")
+    for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
+                        ("--bptt", args.bptt), ("--epochs", args.epochs), ("--log-interval", args.log_interval),
+                        ("--max-batches", args.max_batches), ("--checkpoint-interval", args.checkpoint_interval),
+                        ("--lr", args.lr), ("--clip", args.clip), ("--rpc-timeout", args.rpc_timeout)):
+        check(value is None or value > 0, f"{flag} must be > 0, got {value}")
+    check(not args.cuda or common.cuda_device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
+    if args.generate is not None:
+        check(args.generate > 0, f"--generate must be > 0, got {args.generate}")
+        check(args.temperature > 0, f"--temperature must be > 0, got {args.temperature}")
+        check(args.load is not None, "--generate needs a checkpoint: pass --load PATH (written by --save)")
+        common.check_input_file("--load", args.load)
+        check(not (args.save or args.checkpoint_dir or args.check_gradients),
+              "--generate only samples from --load; drop --save, --checkpoint-dir and --check-gradients")
+        return
+    check(args.load is None, "--load is read by --generate only: pass --generate N to sample from it, or "
+                             "--checkpoint-dir DIR --resume to continue an interrupted run")
+    check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (masks differ)")
+    check(not (args.check_gradients and (args.save or args.checkpoint_dir)),
+          "--check-gradients writes nothing; drop --save and --checkpoint-dir")
+    check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
+    check(not args.checkpoint_interval or args.checkpoint_dir, "--checkpoint-interval needs --checkpoint-dir DIR")
+    check(common.process_count(2) == 2,
+          "rpc_rnn.py runs as exactly 2 processes (ps and trainer); pass --nproc-per-node 2 to torchrun, or run "
+          "it on 2 nodes with --nproc-per-node 1")
+    if args.save:
+        common.check_output_file("--save", args.save)
+    if args.checkpoint_dir:
+        common.check_output_dir("--checkpoint-dir", args.checkpoint_dir)
+        check(not checkpoint_path(args).is_dir(), f"--checkpoint-dir {args.checkpoint_dir}: {checkpoint_path(args)} "
+                                                  f"is a folder; remove it or pass another --checkpoint-dir")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Model: three pieces, put together in one process (RNNModel) or over RPC (DistributedRNNModel)
+# The model: three pieces, put together in one process (RNNModel) or over RPC (DistributedRNNModel)
 # ---------------------------------------------------------------------------------------------------------
-
-def make_lstm(ninp, nhid, nlayers, dropout, seed):
-    """The LSTM, initialised from a seed of its own, so that the trainer and a one-process model built with the
-    same seed hold the same weights. Only ever built by one thread at a time (the trainer's main thread), which
-    makes the save/restore of the global RNG below safe."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
-
 
 class EmbeddingTable(nn.Module):
     """Token ids -> dropped-out embeddings. Lives on the ps (distributed) or inside RNNModel (one process)."""
 
-    def __init__(self, ntoken, ninp, dropout, seed):
+    def __init__(self, ntoken, ninp, dropout, seed, device="cpu"):
         super().__init__()
         self.drop = nn.Dropout(dropout)
         # The ps builds the embedding and the decoder at the same time, in two RPC threads: drawn from the global
@@ -184,6 +166,7 @@ class EmbeddingTable(nn.Module):
         # default init (skip_init), keep them reproducible and leave the global RNG to dropout.
         self.encoder = skip_init(nn.Embedding, ntoken, ninp)
         self.encoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
+        settle(self.to(device).parameters())  # built in an RPC handler on the ps: see settle
 
     def forward(self, input):
         return self.drop(self.encoder(input))
@@ -192,18 +175,28 @@ class EmbeddingTable(nn.Module):
 class Decoder(nn.Module):
     """LSTM output -> logits over the vocabulary, or straight to the loss. Lives on the ps or in RNNModel."""
 
-    def __init__(self, ntoken, nhid, dropout, seed):
+    def __init__(self, ntoken, nhid, dropout, seed, device="cpu"):
         super().__init__()
         self.drop = nn.Dropout(dropout)
         self.decoder = skip_init(nn.Linear, nhid, ntoken)  # see EmbeddingTable
         self.decoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
         self.decoder.bias.data.zero_()
+        settle(self.to(device).parameters())
 
     def forward(self, output):
         return self.decoder(self.drop(output))
 
     def loss(self, output, targets):
         return lm_loss(self.forward(output), targets)
+
+
+def make_lstm(ninp, nhid, nlayers, dropout, seed):
+    """The LSTM, initialised from a seed of its own, so that the trainer and a one-process model built with the
+    same seed hold the same weights. Only ever built by one thread at a time (the trainer's main thread), which
+    makes the save/restore of the global RNG below safe."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
 
 
 class RNNModel(nn.Module):
@@ -228,60 +221,269 @@ class RNNModel(nn.Module):
         return zero_hidden(self.rnn, batch_size, device)
 
 
-# Functions the trainer runs on the ps by RPC. Each receives an RRef that the ps owns.
+def lm_loss(logits, targets):
+    """Mean cross-entropy of next-word logits [rows, batch, ntoken] against target ids [rows, batch]."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def zero_hidden(lstm, batch_size, device="cpu"):
+    """The LSTM's initial (h, c) state for batch_size streams."""
+    shape = (lstm.num_layers, batch_size, lstm.hidden_size)
+    return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The roles: the trainer holds the LSTM and RRefs to the ps's pieces, and drives everything; the ps answers RPCs
+# ---------------------------------------------------------------------------------------------------------
+
+class DistributedRNNModel(nn.Module):
+    """Lives on the trainer: holds the LSTM, and RRefs to the embedding table and the decoder on the ps."""
+
+    def __init__(self, ntoken, ninp, nhid, nlayers, dropout, seed, device, ps_device, ship_logits):
+        super().__init__()
+        self.ship_logits = ship_logits
+        self.embedding_rref = rpc.remote(PS_NAME, EmbeddingTable, args=(ntoken, ninp, dropout, seed, ps_device))
+        self.rnn = make_lstm(ninp, nhid, nlayers, dropout, seed + 1).to(device)
+        self.decoder_rref = rpc.remote(PS_NAME, Decoder, args=(ntoken, nhid, dropout, seed + 2, ps_device))
+        self.remote_pieces = {"embedding": self.embedding_rref, "decoder": self.decoder_rref}
+
+    def loss(self, input, targets, hidden):
+        """The forward pass across both processes. Inside a dist_autograd context each RPC records its send and
+        receive, so that backward later flows back through the ps. The loss is computed where the decoder lives;
+        --ship-logits brings the logits here instead, as the tutorial does."""
+        embedded = self.embedding_rref.rpc_sync().forward(input)
+        output, hidden = self.rnn(embedded, hidden)
+        if self.ship_logits:
+            return lm_loss(self.decoder_rref.rpc_sync().forward(output), targets), hidden
+        return self.decoder_rref.rpc_sync().loss(output, targets), hidden
+
+    def parameter_rrefs(self):
+        """RRefs to every parameter of both processes, for the distributed optimizer (as in the tutorial)."""
+        return (on_owner(self.embedding_rref, parameter_rrefs) + parameter_rrefs(self.rnn)
+                + on_owner(self.decoder_rref, parameter_rrefs))
+
+    def train(self, mode=True):
+        super().train(mode)
+        for rref in self.remote_pieces.values():
+            on_owner(rref, nn.Module.train, mode)
+        return self
+
+    def init_hidden(self, batch_size, device):
+        return zero_hidden(self.rnn, batch_size, device)
+
+
+def on_owner(rref, function, *args):
+    """function(the object rref points to, *args), run by RPC in the process that owns the object; returns the
+    result. The tutorial's `_remote_method`, for what the RRef idiom `rref.rpc_sync().method(*args)` cannot do:
+    call a function that is not a method of the object (parameter_rrefs, cpu_state_dict), or a method that returns
+    the object itself (nn.Module.train would send the whole module back; None comes back instead)."""
+    return rpc.rpc_sync(rref.owner(), _apply_to_local_value, args=(rref, function, *args))
+
+
+def _apply_to_local_value(rref, function, *args):
+    value = rref.local_value()
+    result = function(value, *args)
+    return None if result is value else result
+
+
+def parameter_rrefs(module):
+    """RRefs to a module's parameters, made where they live (the tutorial's `_parameter_rrefs`)."""
+    return [rpc.RRef(param) for param in module.parameters()]
+
+
+def train_step(model, optimizer, input, targets, hidden, clip):
+    """One window: forward and backward across both processes, global clipping, one SGD step on every owner.
+    No zero_grad: each step's gradients live in its own autograd context, dropped when the context ends."""
+    with dist_autograd.context() as context_id:
+        loss, hidden = model.loss(input, targets, hidden)
+        dist_autograd.backward(context_id, [loss])
+        optimizer.clip_grad_norm(context_id, clip)
+        optimizer.step(context_id)
+    return loss.item(), hidden
+
+
+def run_trainer(args, corpus, device, ps_device, resume_from):
+    """The trainer's run: epochs of bptt windows, validation after each (lr / 4 when it did not improve, the best
+    model kept), then the test of the best model. The ps only answers the RPCs this makes."""
+    model = DistributedRNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed,
+                                device, ps_device, args.ship_logits)
+    if args.check_gradients:
+        return check_gradients(args, corpus, model, device)
+    train_data = batchify(corpus.train, args.batch_size, device)
+    valid_data, test_data = (batchify(data, args.eval_batch_size, device) for data in (corpus.valid, corpus.test))
+    batches = batches_per_epoch(train_data, args)
+    run = resume(args, model, resume_from, device, ps_device) if resume_from else Progress(lr=args.lr)
+    optimizer = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=run.lr)
+    for epoch in range(run.epoch, args.epochs + 1):
+        epoch_start = time.perf_counter()
+        model.train()
+        first_batch, hidden = run.start_epoch()
+        hidden = hidden or model.init_hidden(args.batch_size, device)
+        for batch in range(first_batch, batches):
+            input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
+            loss, hidden = train_step(model, optimizer, input, targets, detach_hidden(hidden), args.clip)
+            run.record(loss, targets.numel())
+            if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
+                print(f"epoch {epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | {run.interval_line()}",
+                      flush=True)
+            if args.checkpoint_interval and (batch + 1) % args.checkpoint_interval == 0 and batch + 1 < batches:
+                write_checkpoint(args, corpus, model, run.at(epoch, batch + 1, hidden), device, ps_device)
+        epoch_seconds = time.perf_counter() - epoch_start
+        run.valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
+        print(f"epoch {epoch} | valid loss {run.valid_loss:.2f} | valid ppl {math.exp(min(run.valid_loss, 50)):.1f} | "
+              f"{epoch_seconds:.1f} s/epoch", flush=True)
+        if run.valid_loss < run.best_valid:
+            run.best_valid, run.best_state = run.valid_loss, gathered_state_dict(model)
+            if args.save:
+                save_model(args, corpus, run.best_state, run.valid_loss)
+        else:
+            run.lr /= 4
+            optimizer.set_lr(run.lr)
+        write_checkpoint(args, corpus, model, run.at(epoch + 1, 0, None), device, ps_device)
+    if run.best_state is not None and run.valid_loss > run.best_valid:
+        load_gathered_state_dict(model, run.best_state)  # test the model that was kept, as pytorch/examples does
+    test_loss = evaluate(model, test_data, args.bptt, args.eval_batch_size, device)
+    print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
+    report(args, run, len(corpus.words), test_loss, device, ps_device)
+
+
+def evaluate(model, data, bptt, batch_size, device):
+    """Mean loss per word over a whole split. Grad mode does not travel with an RPC: under this torch.no_grad() the
+    ps still records the autograd graph of its forward, and drops it when the call returns. That costs no time that
+    shows (the decoder's loss on 350 x 33k logits took 119-131 ms either way) and less memory than a training
+    step, so no helper carries the mode across and the calls keep the RRef idiom."""
+    model.eval()
+    total, hidden = 0.0, model.init_hidden(batch_size, device)
+    with torch.no_grad():
+        for i in range(0, data.size(0) - 1, bptt):
+            input, targets = get_batch(data, i, bptt)
+            loss, hidden = model.loss(input, targets, hidden)
+            total += input.size(0) * loss.item()
+    return total / (data.size(0) - 1)
+
+
+def run_worker(info, args, corpus, resume_from):
+    """Rank 0 becomes the ps and answers RPCs until the trainer is done; rank 1 becomes the trainer."""
+    # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
+    # the same time: each may use every core of the machine while the other waits.
+    torch.set_num_threads(common.usable_cpus())
+    common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
+    info = fresh_rendezvous_after_restart(info)
+    ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
+    if args.cuda and args.check_gradients:
+        common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
+    if info.rank == 0:
+        common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=[ps_device] if args.cuda else None)
+    else:
+        device = torch.device("cpu")
+        device_maps = None
+        if args.cuda:
+            # On one machine with 2 GPUs the trainer takes the second; tensors sent to the ps land on its GPU and
+            # the replies come back to the trainer's, by the map instead of .to() calls in the model.
+            device = torch.device("cuda", info.local_rank % common.cuda_device_count())
+            torch.cuda.set_device(device)
+            device_maps = {PS_NAME: {device: ps_device}}
+        common.init_rpc(info, TRAINER_NAME, args.rpc_timeout, device_maps=device_maps,
+                        devices=[device] if args.cuda else None)
+        try:
+            run_trainer(args, corpus, device, ps_device, resume_from)
+        except common.RunFailed:  # a full disk, said in one line: end the ps in order, so that it adds nothing
+            shut_down_in_order()
+            raise
+    rpc.shutdown()  # the ps waits here, answering RPCs, until the trainer is done too
+
+
+def main():
+    args = common.parse_args(Args)
+    validate(args)
+    if args.generate:
+        generate(args)
+        return
+    corpus = Corpus(common.wikitext2_dir(args.data_dir))
+    check_corpus(args, corpus)
+    resume_from = read_checkpoint(args, corpus)
+    common.launch(run_worker, 2, args, corpus, resume_from, timeout=args.rpc_timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: real data (word_language_model's vocabulary, batchify and bptt windows)
+# ---------------------------------------------------------------------------------------------------------
+
+class Corpus:
+    """Token ids of train/valid/test, one vocabulary over all three (as pytorch/examples does). Built in the
+    launching process, before any worker starts, so that a bad file is a one-line error."""
+
+    def __init__(self, folder):
+        self.words = []
+        self.index = {}
+        self.train, self.valid, self.test = (self.tokenize(Path(folder) / name)
+                                             for name in ("train.txt", "valid.txt", "test.txt"))
+
+    def tokenize(self, path):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+            raise UsageError(f"cannot read {path} ({reason}); pass a --data-dir with UTF-8 text files") from None
+        ids = []
+        for line in text.splitlines():
+            for word in line.split() + ["<eos>"]:
+                if word not in self.index:
+                    self.index[word] = len(self.words)
+                    self.words.append(word)
+                ids.append(self.index[word])
+        check(len(text.split()) > 0, f"{path} holds no words; pass a --data-dir with train/valid/test.txt text")
+        return torch.tensor(ids, dtype=torch.long)
+
+
+def check_corpus(args, corpus):
+    """Each split must give every stream of its batch at least one window of two words."""
+    for name, batch_size, flag in (("train", args.batch_size, "--batch-size"),
+                                   ("valid", args.eval_batch_size, "--eval-batch-size"),
+                                   ("test", args.eval_batch_size, "--eval-batch-size")):
+        tokens = getattr(corpus, name).numel()
+        check(tokens // batch_size >= 2, f"{name}.txt has {tokens} tokens, too few for {flag} {batch_size}; pass "
+                                         f"a smaller {flag} or more text")
+
+
+def batchify(data, batch_size, device):
+    """[tokens] -> [tokens // batch_size, batch_size]: column j is the j-th slice of the text, read top down."""
+    rows = data.size(0) // batch_size
+    return data[:rows * batch_size].view(batch_size, rows).t().contiguous().to(device)
+
+
+def get_batch(source, i, bptt):
+    """Window of up to bptt rows starting at row i, and the same window shifted one word ahead as targets."""
+    length = min(bptt, source.size(0) - 1 - i)
+    return source[i:i + length], source[i + 1:i + 1 + length]
+
+
+def batches_per_epoch(train_data, args):
+    batches = math.ceil((train_data.size(0) - 1) / args.bptt)
+    return min(batches, args.max_batches) if args.max_batches else batches
+
+
+def detach_hidden(hidden):
+    """Keep the LSTM state across windows but cut the graph, so backward stops at the window's start."""
+    return tuple(h.detach() for h in hidden)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: torch's DistributedOptimizer without TorchScript, and clipping on the global norm
+# ---------------------------------------------------------------------------------------------------------
 
 def settle(tensors):
     """Wait until the GPU work queued on these tensors' devices has finished, whatever stream it was queued on.
 
     TensorPipe runs every RPC on CUDA streams of its own (pytorch/pytorch#57960) and orders only the tensors a call
-    receives or returns. A call that writes tensors it does not return (an optimizer step, scaling gradients,
-    loading weights) could otherwise return before its writes are done, and a call that reads what another call
-    wrote (the gradients that backward left in the autograd context, the weights a step updated) could read them
-    early. Such calls settle the devices they touch first and last. Nothing to do on the CPU.
+    receives or returns. A call that writes tensors it does not return (building a module, an optimizer step,
+    scaling gradients, loading weights) could otherwise return before its writes are done, and a call that reads
+    what another call wrote (the gradients that backward left in the autograd context, the weights a step updated)
+    could read them early. Such calls settle the devices they touch: writers last, readers of others' writes
+    first. Nothing to do on the CPU.
     """
     for device in {tensor.device for tensor in tensors if tensor.is_cuda}:
         torch.cuda.synchronize(device)
-
-
-def build_on_owner(module_class, device, *args):
-    return module_class(*args).to(device)
-
-
-def call_on_owner(module_rref, method, grad_enabled, *args):
-    # The caller's grad mode travels along: evaluation under no_grad builds no autograd graph on the ps either.
-    with torch.set_grad_enabled(grad_enabled):
-        return getattr(module_rref.local_value(), method)(*args)
-
-
-def parameter_rrefs_on_owner(module_rref):
-    return [rpc.RRef(param) for param in module_rref.local_value().parameters()]
-
-
-def set_training_on_owner(module_rref, mode):
-    module_rref.local_value().train(mode)
-
-
-def state_dict_on_owner(module_rref):
-    state = module_rref.local_value().state_dict()
-    settle(state.values())
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
-
-
-def load_state_dict_on_owner(module_rref, state):
-    module = module_rref.local_value()
-    module.load_state_dict(state)
-    settle(module.parameters())
-
-
-def context_grads_on_owner(module_rref, context_id):
-    grads = dist_autograd.get_gradients(context_id)
-    settle(grads.values())
-    return {name: grads[param].cpu() for name, param in module_rref.local_value().named_parameters()
-            if param in grads}
-
-
-def call_remote(module_rref, method, *args):
-    return rpc.rpc_sync(module_rref.owner(), call_on_owner, args=(module_rref, method, torch.is_grad_enabled(), *args))
 
 
 class LocalOptimizer:
@@ -298,11 +500,11 @@ class LocalOptimizer:
         grads = dist_autograd.get_gradients(context_id)
         return [grads[param] for param in self.params if param in grads]
 
-    def grad_square_sum(self, context_id):
-        """Sum of the squared norms of this owner's gradients in the context."""
-        grads = self.context_grads(context_id)
-        settle(grads)
-        return sum(torch.linalg.vector_norm(grad).item() ** 2 for grad in grads)
+    def grad_norms(self, context_id):
+        """The norm of each of this owner's gradients in the context, on the CPU (None for a parameter without)."""
+        grads = dist_autograd.get_gradients(context_id)
+        settle(grads.values())
+        return [torch.linalg.vector_norm(grads[param]).cpu() if param in grads else None for param in self.params]
 
     def scale_grads(self, context_id, factor):
         # get_gradients hands out the context's own tensors, the ones step() reads: scaling them in place is what
@@ -310,7 +512,7 @@ class LocalOptimizer:
         grads = self.context_grads(context_id)
         settle(grads)
         for grad in grads:
-            grad.mul_(factor)
+            grad.mul_(factor.to(grad.device))
         settle(grads)
 
     def step(self, context_id):
@@ -333,8 +535,11 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer_class, param_rrefs, **options):
         by_owner = {}
+        self.order = []  # (owner's index, index among that owner's parameters) of each parameter, in given order
         for rref in param_rrefs:
-            by_owner.setdefault(rref.owner(), []).append(rref)
+            owned = by_owner.setdefault(rref.owner(), [])
+            self.order.append((list(by_owner).index(rref.owner()), len(owned)))
+            owned.append(rref)
         self.local_optimizers = [rpc.remote(owner, LocalOptimizer, args=(optimizer_class, rrefs), kwargs=options)
                                  for owner, rrefs in by_owner.items()]
 
@@ -342,14 +547,17 @@ class DistributedOptimizer:
         return torch.futures.wait_all([getattr(rref.rpc_async(), method)(*args) for rref in self.local_optimizers])
 
     def clip_grad_norm(self, context_id, max_norm):
-        """clip_grad_norm_ over parameters spread on several processes: each owner reports the squared norm of
-        its gradients in the context, the trainer adds them up, and every owner scales its gradients by the same
+        """torch.nn.utils.clip_grad_norm_ over parameters spread on several processes, to the bit: each owner
+        reports the norm of each of its gradients in the context, the trainer takes the norm of those norms in the
+        parameters' order, in float32 as clip_grad_norm_ does, and every owner scales its gradients by the same
         factor. Returns the norm before clipping."""
-        total_norm = math.sqrt(sum(self._on_every_owner("grad_square_sum", context_id)))
-        factor = max_norm / (total_norm + 1e-6)  # the same formula as torch.nn.utils.clip_grad_norm_
+        norms = self._on_every_owner("grad_norms", context_id)
+        total_norm = torch.linalg.vector_norm(torch.stack([norms[owner][index] for owner, index in self.order
+                                                           if norms[owner][index] is not None]))
+        factor = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         if factor < 1.0:
             self._on_every_owner("scale_grads", context_id, factor)
-        return total_norm
+        return total_norm.item()
 
     def step(self, context_id):
         self._on_every_owner("step", context_id)
@@ -358,94 +566,56 @@ class DistributedOptimizer:
         self._on_every_owner("set_lr", lr)
 
 
-class DistributedRNNModel(nn.Module):
-    """Lives on the trainer: holds the LSTM, and RRefs to the embedding table and the decoder on the ps."""
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: the weights and gradients of both processes under RNNModel's names
+# ---------------------------------------------------------------------------------------------------------
 
-    def __init__(self, ntoken, ninp, nhid, nlayers, dropout, seed, device, ps_device, ship_logits):
-        super().__init__()
-        self.ship_logits = ship_logits
-        self.embedding_rref = rpc.remote(PS_NAME, build_on_owner,
-                                         args=(EmbeddingTable, ps_device, ntoken, ninp, dropout, seed))
-        self.rnn = make_lstm(ninp, nhid, nlayers, dropout, seed + 1).to(device)
-        self.decoder_rref = rpc.remote(PS_NAME, build_on_owner,
-                                       args=(Decoder, ps_device, ntoken, nhid, dropout, seed + 2))
-        self.remote_pieces = {"embedding": self.embedding_rref, "decoder": self.decoder_rref}
+def cpu_state_dict(module):
+    """Copies of a module's weights on the CPU (a kept best state must not follow the live weights). Settles
+    first: the last optimizer step may have written them on another stream."""
+    state = module.state_dict()
+    settle(state.values())
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
 
-    def loss(self, input, targets, hidden):
-        embedded = call_remote(self.embedding_rref, "forward", input)
-        output, hidden = self.rnn(embedded, hidden)
-        if self.ship_logits:
-            loss = lm_loss(call_remote(self.decoder_rref, "forward", output), targets)
-        else:
-            loss = call_remote(self.decoder_rref, "loss", output, targets)
-        return loss, hidden
 
-    def init_hidden(self, batch_size, device):
-        return zero_hidden(self.rnn, batch_size, device)
+def load_weights(module, state):
+    module.load_state_dict(state)
+    settle(module.parameters())
 
-    def parameter_rrefs(self):
-        rrefs = rpc.rpc_sync(PS_NAME, parameter_rrefs_on_owner, args=(self.embedding_rref,))
-        rrefs += [rpc.RRef(param) for param in self.rnn.parameters()]
-        rrefs += rpc.rpc_sync(PS_NAME, parameter_rrefs_on_owner, args=(self.decoder_rref,))
-        return rrefs
 
-    def train(self, mode=True):
-        super().train(mode)
-        for rref in self.remote_pieces.values():
-            rpc.rpc_sync(rref.owner(), set_training_on_owner, args=(rref, mode))
-        return self
+def context_grads(module, context_id):
+    """The gradients of a module's parameters in one distributed autograd context, on the CPU."""
+    grads = dist_autograd.get_gradients(context_id)
+    settle(grads.values())
+    return {name: grads[param].cpu() for name, param in module.named_parameters() if param in grads}
 
-    def gathered_state_dict(self):
-        """The weights of both processes under RNNModel's names, on the CPU: a checkpoint RNNModel loads."""
-        # Copies: a kept best state must not follow the live weights as training goes on.
-        state = {f"rnn.{name}": tensor.detach().to("cpu", copy=True) for name, tensor in self.rnn.state_dict().items()}
-        for piece, rref in self.remote_pieces.items():
-            state.update({f"{piece}.{name}": tensor
-                          for name, tensor in rpc.rpc_sync(rref.owner(), state_dict_on_owner, args=(rref,)).items()})
-        return state
 
-    def load_gathered_state_dict(self, state):
-        self.rnn.load_state_dict({name[4:]: tensor for name, tensor in state.items() if name.startswith("rnn.")})
-        for piece, rref in self.remote_pieces.items():
-            part = {name[len(piece) + 1:]: tensor for name, tensor in state.items() if name.startswith(piece + ".")}
-            rpc.rpc_sync(rref.owner(), load_state_dict_on_owner, args=(rref, part))
+def gathered_state_dict(model):
+    """The weights of both processes under RNNModel's names, on the CPU: a checkpoint RNNModel loads."""
+    state = {f"rnn.{name}": tensor for name, tensor in cpu_state_dict(model.rnn).items()}
+    for piece, rref in model.remote_pieces.items():
+        state.update({f"{piece}.{name}": tensor for name, tensor in on_owner(rref, cpu_state_dict).items()})
+    return state
 
-    def context_grads(self, context_id):
-        """The gradients of one autograd context, from both processes, under RNNModel's names."""
-        local = dist_autograd.get_gradients(context_id)
-        settle(local.values())
-        grads = {f"rnn.{name}": local[param].cpu() for name, param in self.rnn.named_parameters() if param in local}
-        for piece, rref in self.remote_pieces.items():
-            grads.update({f"{piece}.{name}": grad for name, grad in
-                          rpc.rpc_sync(rref.owner(), context_grads_on_owner, args=(rref, context_id)).items()})
-        return grads
+
+def load_gathered_state_dict(model, state):
+    load_weights(model.rnn, {name[4:]: tensor for name, tensor in state.items() if name.startswith("rnn.")})
+    for piece, rref in model.remote_pieces.items():
+        on_owner(rref, load_weights, {name[len(piece) + 1:]: tensor for name, tensor in state.items()
+                                      if name.startswith(piece + ".")})
+
+
+def gathered_context_grads(model, context_id):
+    """The gradients of one autograd context, from both processes, under RNNModel's names."""
+    grads = {f"rnn.{name}": grad for name, grad in context_grads(model.rnn, context_id).items()}
+    for piece, rref in model.remote_pieces.items():
+        grads.update({f"{piece}.{name}": grad for name, grad in on_owner(rref, context_grads, context_id).items()})
+    return grads
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Roles: the trainer drives everything; the ps only answers RPCs
+# Beyond the tutorial: proof that the distributed math is the one-process math
 # ---------------------------------------------------------------------------------------------------------
-
-def train_step(model, optimizer, input, targets, hidden, clip):
-    """One window: forward and backward across both processes, global clipping, one SGD step on every owner.
-    No zero_grad: each step's gradients live in its own autograd context, dropped when the context ends."""
-    with dist_autograd.context() as context_id:
-        loss, hidden = model.loss(input, targets, hidden)
-        dist_autograd.backward(context_id, [loss])
-        optimizer.clip_grad_norm(context_id, clip)
-        optimizer.step(context_id)
-    return loss.item(), hidden
-
-
-def evaluate(model, data, bptt, batch_size, device):
-    model.eval()
-    total, hidden = 0.0, model.init_hidden(batch_size, device)
-    with torch.no_grad():
-        for i in range(0, data.size(0) - 1, bptt):
-            input, targets = get_batch(data, i, bptt)
-            loss, hidden = model.loss(input, targets, hidden)
-            total += input.size(0) * loss.item()
-    return total / (data.size(0) - 1)
-
 
 def check_gradients(args, corpus, model, device):
     """Same weights, same batches, in one process and over RPC: report the largest differences of loss, clipped
@@ -464,14 +634,14 @@ def check_gradients(args, corpus, model, device):
             loss, hidden = model.loss(input.to(device), targets.to(device), hidden)
             dist_autograd.backward(context_id, [loss])
             norms.append(optimizer.clip_grad_norm(context_id, args.clip))
-            grads = model.context_grads(context_id)
+            grads = gathered_context_grads(model, context_id)
             optimizer.step(context_id)
         local_optimizer.zero_grad()
         local_loss, local_hidden = local.loss(input, targets, local_hidden)
         local_loss.backward()
         local_norm = nn.utils.clip_grad_norm_(local.parameters(), args.clip).item()
         local_optimizer.step()
-        params = model.gathered_state_dict()
+        params = gathered_state_dict(model)
         worst["loss_diff"] = max(worst["loss_diff"], abs(loss.item() - local_loss.item()))
         worst["max_grad_diff"] = max([worst["max_grad_diff"]] + [(grads[name] - param.grad).abs().max().item()
                                                                 for name, param in local.named_parameters()])
@@ -484,84 +654,206 @@ def check_gradients(args, corpus, model, device):
                        compared=len(grads), **worst)
 
 
-def run_trainer(args, corpus, device, ps_device):
-    ntoken = len(corpus.words)
-    model = DistributedRNNModel(ntoken, args.emsize, args.nhid, args.nlayers, args.dropout, args.seed, device,
-                                ps_device, args.ship_logits)
-    if args.check_gradients:
-        check_gradients(args, corpus, model, device)
-        return
-    train_data = batchify(corpus.train, args.batch_size, device)
-    valid_data = batchify(corpus.valid, args.eval_batch_size, device)
-    test_data = batchify(corpus.test, args.eval_batch_size, device)
-    lr, best_valid, best_state = args.lr, math.inf, None
-    optimizer = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=lr)
-    batches_per_epoch = math.ceil((train_data.size(0) - 1) / args.bptt)
-    if args.max_batches:
-        batches_per_epoch = min(batches_per_epoch, args.max_batches)
-    losses, train_tokens, train_seconds, valid_loss = [], 0, 0.0, math.nan
-    for epoch in range(1, args.epochs + 1):
-        epoch_start = time.perf_counter()
-        model.train()
-        hidden = model.init_hidden(args.batch_size, device)
-        interval_loss, interval_start, interval_tokens = 0.0, time.perf_counter(), 0
-        for batch in range(batches_per_epoch):
-            input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
-            loss, hidden = train_step(model, optimizer, input, targets, detach_hidden(hidden), args.clip)
-            losses.append(loss)
-            interval_loss += loss
-            interval_tokens += targets.numel()
-            if (batch + 1) % args.log_interval == 0 or batch + 1 == batches_per_epoch:
-                seconds = time.perf_counter() - interval_start
-                steps = (batch % args.log_interval) + 1
-                mean = interval_loss / steps
-                print(f"epoch {epoch} | batch {batch + 1}/{batches_per_epoch} | lr {lr:.2f} | "
-                      f"{1000 * seconds / steps:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
-                      f"{interval_tokens / seconds / 1000:.1f}k tokens/s", flush=True)
-                train_tokens += interval_tokens
-                train_seconds += seconds
-                interval_loss, interval_start, interval_tokens = 0.0, time.perf_counter(), 0
-        train_time = time.perf_counter() - epoch_start
-        valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
-        print(f"epoch {epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
-              f"{train_time:.1f} s/epoch", flush=True)
-        if valid_loss < best_valid:
-            best_valid, best_state = valid_loss, model.gathered_state_dict()
-            if args.save:
-                save_checkpoint(args, corpus, best_state, valid_loss)
-        else:
-            lr /= 4
-            optimizer.set_lr(lr)
-    if best_state is not None and valid_loss > best_valid:
-        model.load_gathered_state_dict(best_state)  # test the model that was kept, as pytorch/examples does
-    test_loss = evaluate(model, test_data, args.bptt, args.eval_batch_size, device)
-    print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
-    window = max(1, min(10, len(losses) // 4))
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: progress, reporting, checkpoints and exact resume, sampling
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Progress:
+    """Lives on the trainer: where the run stands and what it has measured. With the weights of both processes
+    and the RNG states that draw their dropout masks, it is all a checkpoint needs to continue exactly (SGD
+    keeps no state besides lr)."""
+    lr: float
+    epoch: int = 1
+    batch: int = 0  # the next training batch of `epoch`
+    hidden: Optional[tuple] = None  # the LSTM state after `batch` batches, when a checkpoint cut an epoch
+    best_valid: float = math.inf
+    best_state: Optional[dict] = None
+    valid_loss: float = math.nan
+    losses: list = field(default_factory=list)
+    tokens: int = 0  # trained on, and the seconds it took, over the whole run (tokens_per_s)
+    seconds: float = 0.0
+    interval_loss: float = 0.0  # since the last log line
+    interval_batches: int = 0
+    interval_tokens: int = 0
+    interval_seconds: float = 0.0
+
+    def start_epoch(self):
+        """Start the clock of the log interval; returns the batch to start from (0 unless resuming within the epoch)
+        and the LSTM state to start with (None: zeros)."""
+        self.interval_start = time.perf_counter() - self.interval_seconds
+        (batch, self.batch), (hidden, self.hidden) = (self.batch, 0), (self.hidden, None)
+        return batch, hidden
+
+    def record(self, loss, tokens):
+        self.losses.append(loss)
+        self.interval_loss += loss
+        self.interval_batches += 1
+        self.interval_tokens += tokens
+
+    def interval_line(self):
+        """The log line's figures over the interval since the last one; starts the next interval."""
+        seconds = time.perf_counter() - self.interval_start
+        mean = self.interval_loss / self.interval_batches
+        line = (f"{1000 * seconds / self.interval_batches:.1f} ms/batch | loss {mean:.2f} | "
+                f"ppl {math.exp(min(mean, 50)):.1f} | {self.interval_tokens / seconds / 1000:.1f}k tokens/s")
+        self.tokens += self.interval_tokens
+        self.seconds += seconds
+        self.interval_loss, self.interval_batches, self.interval_tokens = 0.0, 0, 0
+        self.interval_start, self.interval_seconds = time.perf_counter(), 0.0
+        return line
+
+    def at(self, epoch, batch, hidden):
+        """This progress as a checkpoint stores it, placed before batch `batch` of epoch `epoch`."""
+        state = {item.name: getattr(self, item.name) for item in fields(self)}
+        state.update(epoch=epoch, batch=batch, losses=torch.tensor(self.losses, dtype=torch.float64),
+                     hidden=None if hidden is None else tuple(h.detach().cpu() for h in hidden),
+                     interval_seconds=time.perf_counter() - self.interval_start if batch else 0.0)
+        return state
+
+
+def report(args, run, ntoken, test_loss, device, ps_device):
+    window = max(1, min(10, len(run.losses) // 4))
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=ntoken,
                        devices={PS_NAME: str(ps_device), TRAINER_NAME: str(device)},
-                       batches=len(losses), first_loss=sum(losses[:window]) / window,
-                       last_loss=sum(losses[-window:]) / window, losses=[round(x, 6) for x in losses[:200]],
-                       valid_loss=best_valid, valid_ppl=math.exp(min(best_valid, 50)), test_loss=test_loss,
-                       test_ppl=math.exp(min(test_loss, 50)), lr=lr,
-                       tokens_per_s=train_tokens / train_seconds if train_seconds else 0.0)
+                       batches=len(run.losses), first_loss=sum(run.losses[:window]) / window,
+                       last_loss=sum(run.losses[-window:]) / window, losses=[round(x, 6) for x in run.losses[:200]],
+                       valid_loss=run.best_valid, valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
+                       test_ppl=math.exp(min(test_loss, 50)), lr=run.lr,
+                       tokens_per_s=run.tokens / run.seconds if run.seconds else 0.0)
 
 
-def save_checkpoint(args, corpus, state, valid_loss):
-    common.save_atomic({"model": state, "vocab": corpus.words, "valid_loss": valid_loss,
-                        "config": {"ntoken": len(corpus.words), "ninp": args.emsize, "nhid": args.nhid,
-                                   "nlayers": args.nlayers, "dropout": args.dropout}}, args.save)
+def model_config(args, corpus):
+    """RNNModel's arguments: RNNModel(**config) builds the model a checkpoint's weights load into."""
+    return {"ntoken": len(corpus.words), "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers,
+            "dropout": args.dropout}
+
+
+def save_model(args, corpus, state, valid_loss):
+    """--save: the best model so far, for the plain RNNModel, written atomically by common.save_checkpoint (a
+    failed write keeps the previous file and ends the run in one line):
+    `RNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])`, with ckpt = torch.load(path)."""
+    common.save_checkpoint(args.save, SCRIPT, {"model": state, "vocab": corpus.words, "valid_loss": valid_loss,
+                                               "config": model_config(args, corpus)}, "--save")
+
+
+CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "progress", "rng")
+
+
+def checkpoint_path(args):
+    return Path(args.checkpoint_dir) / "rpc_rnn.pt"
+
+
+def recipe(args):
+    """The flags that a resumed run must share with the run that wrote the checkpoint: they change the math."""
+    names = ("emsize", "nhid", "nlayers", "dropout", "batch_size", "eval_batch_size", "bptt", "lr", "clip", "seed",
+             "max_batches")
+    return {name: getattr(args, name) for name in names}
+
+
+def write_checkpoint(args, corpus, model, progress, device, ps_device):
+    """The whole run, from both processes, in one file in --checkpoint-dir, written atomically by the trainer
+    (common.save_checkpoint): the current weights (also loadable by --generate), the progress, and the RNG states
+    of both processes, which draw the dropout masks."""
+    if args.checkpoint_dir:
+        rng = {TRAINER_NAME: rng_state(device), PS_NAME: rpc.rpc_sync(PS_NAME, rng_state, args=(ps_device,))}
+        common.save_checkpoint(checkpoint_path(args), SCRIPT, {
+            "model": gathered_state_dict(model), "vocab": corpus.words, "config": model_config(args, corpus),
+            "recipe": recipe(args), "progress": progress, "rng": rng}, "--checkpoint-dir")
+
+
+def read_checkpoint(args, corpus):
+    """The checkpoint that --resume continues, verified (common.load_checkpoint) and checked against these flags
+    and this text; None when there is none yet (the run starts from the beginning). Read in the launcher, before
+    any process starts; under torchrun, in each process."""
+    path = checkpoint_path(args) if args.resume else None
+    if path is None or not path.exists():
+        return None
+    saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=CHECKPOINT_KEYS)
+    differ = [f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
+              if recipe(args).get(name) != value]
+    check(not differ, f"--resume {path}: written with {', '.join(differ)}; pass the same flags or another "
+                      f"--checkpoint-dir")
+    check(saved["vocab"] == corpus.words, f"--resume {path}: written for another text (its vocabulary differs); "
+                                          f"pass the same --data-dir or another --checkpoint-dir")
+    done = saved["progress"]["epoch"] - 1
+    check(done <= args.epochs, f"--resume {path}: holds {done} finished epochs, more than --epochs {args.epochs}; "
+                               f"pass a larger --epochs or another --checkpoint-dir")
+    return saved
+
+
+def resume(args, model, saved, device, ps_device):
+    """Put both processes back where the checkpoint was taken: weights, RNG states, progress."""
+    load_gathered_state_dict(model, saved["model"])
+    set_rng_state(saved["rng"][TRAINER_NAME], device)
+    rpc.rpc_sync(PS_NAME, set_rng_state, args=(saved["rng"][PS_NAME], ps_device))
+    progress = dict(saved["progress"], losses=saved["progress"]["losses"].tolist())
+    if progress["hidden"] is not None:
+        progress["hidden"] = tuple(h.to(device) for h in progress["hidden"])
+    print(f"resuming at epoch {progress['epoch']} batch {progress['batch']} from {checkpoint_path(args)}",
+          flush=True)
+    return Progress(**progress)
+
+
+def rng_state(device):
+    """The states of this process's generators that draw dropout masks on `device`."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    """Restore rng_state's states. On CUDA, cuDNN's LSTM keeps a dropout state of its own, which torch does not
+    expose and re-seeds from the CUDA generator once that is set: a resumed --cuda run with LSTM dropout draws
+    other masks between the LSTM's layers than an uninterrupted run would."""
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def shut_down_in_order():
+    """The graceful rpc.shutdown() that ends a run, for a trainer that is about to fail: the ps, waiting in its own
+    shutdown, then ends cleanly, instead of logging TensorPipe's warning about a pipe its peer closed. The
+    shutdown meets through the rendezvous store; if that cannot be written either (a file store on a full disk),
+    the run still ends with the trainer's line first, and the ps's warning may follow it."""
+    try:
+        rpc.shutdown()
+    except (RuntimeError, OSError):  # torch's store errors (DistStoreError) are RuntimeErrors
+        pass
+
+
+def fresh_rendezvous_after_restart(info):
+    """Under torchrun, the processes of a restarted group (--max-restarts) must not meet through the keys that
+    the previous group left in torchrun's store: they hold the addresses of processes that are gone, and a new
+    process that reads one before its peer has overwritten it fails to connect ("Connection refused" in gloo's
+    connectFullMesh, during RPC set-up). Each restart round gets keys of its own, under a PrefixStore named after
+    TORCHELASTIC_RESTART_COUNT. A spawned run (file rendezvous in a fresh folder) is returned as it is."""
+    if info.init_method != "env://":
+        return info
+    try:
+        register_rendezvous_handler(RESTART_SCHEME, _restart_round_rendezvous)
+    except RuntimeError:  # registered already, by an earlier call in this process
+        pass
+    return replace(info, init_method=f"{RESTART_SCHEME}://")
+
+
+RESTART_SCHEME = "torchrun-round"
+
+
+def _restart_round_rendezvous(url, **kwargs):
+    query = dict(parse_qsl(urlparse(url).query))
+    rounds = dist.rendezvous("env://", rank=int(query["rank"]), world_size=int(query["world_size"]), **kwargs)
+    store, rank, world_size = next(rounds)
+    yield dist.PrefixStore(f"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store), rank, world_size
 
 
 def generate(args):
     """Load a checkpoint into the plain RNNModel and sample words from it, one at a time."""
-    try:
-        checkpoint = torch.load(args.load, map_location="cpu", weights_only=True)
-        model = RNNModel(**checkpoint["config"])
-        model.load_state_dict(checkpoint["model"])
-        words = checkpoint["vocab"]
-    except Exception as error:  # whatever is wrong with a file the user named is theirs to fix
-        raise UsageError(f"cannot load checkpoint {args.load} ({str(error).splitlines()[0]}); pass a file "
-                         f"written by --save") from None
+    saved = common.load_checkpoint(args.load, SCRIPT, "--load", keys=("model", "vocab", "config"))
+    model = RNNModel(**saved["config"])
+    model.load_state_dict(saved["model"])
+    words = saved["vocab"]
     common.seed_everything(args.seed)
     model.eval()
     input, hidden = torch.randint(len(words), (1, 1)), model.init_hidden(1)
@@ -575,67 +867,6 @@ def generate(args):
     for start in range(0, len(sampled), 20):
         print(" ".join(sampled[start:start + 20]), flush=True)
     common.emit_result(SCRIPT, mode="generate", words=len(sampled), vocab=len(words))
-
-
-def run_worker(info, args, corpus):
-    # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
-    # the same time: each may use every core of the machine while the other waits.
-    torch.set_num_threads(common.usable_cpus())
-    common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
-    ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
-    if args.cuda and args.check_gradients:
-        common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
-    if info.rank == 0:
-        common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=[ps_device] if args.cuda else None)
-    else:
-        device = torch.device("cpu")
-        device_maps = None
-        if args.cuda:
-            # On one machine with 2 GPUs the trainer takes the second; tensors sent to the ps land on its GPU and
-            # the replies come back to the trainer's, by the map instead of .to() calls in the model.
-            device = torch.device("cuda", info.local_rank % common.cuda_device_count())
-            torch.cuda.set_device(device)
-            device_maps = {PS_NAME: {device: ps_device}}
-        common.init_rpc(info, TRAINER_NAME, args.rpc_timeout, device_maps=device_maps,
-                        devices=[device] if args.cuda else None)
-        run_trainer(args, corpus, device, ps_device)
-    # The ps waits here, answering RPCs, until the trainer is done too.
-    rpc.shutdown()
-
-
-def main():
-    args = common.parse_args(Args)
-    check(args.emsize > 0 and args.nhid > 0 and args.nlayers > 0, "--emsize, --nhid and --nlayers must be > 0")
-    check(0.0 <= args.dropout < 1.0, f"--dropout must be in [0, 1), got {args.dropout}")
-    check(args.batch_size > 0, f"--batch-size must be > 0, got {args.batch_size}")
-    check(args.eval_batch_size > 0, f"--eval-batch-size must be > 0, got {args.eval_batch_size}")
-    check(args.bptt > 0, f"--bptt must be > 0, got {args.bptt}")
-    check(args.lr > 0 and args.clip > 0, "--lr and --clip must be > 0")
-    check(args.epochs > 0, f"--epochs must be > 0, got {args.epochs}")
-    check(args.max_batches is None or args.max_batches > 0, "--max-batches must be > 0")
-    check(args.log_interval > 0, f"--log-interval must be > 0, got {args.log_interval}")
-    check(args.rpc_timeout > 0, "--rpc-timeout must be > 0")
-    check(not args.cuda or common.cuda_device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
-    if args.generate is not None:
-        check(args.generate > 0, f"--generate must be > 0, got {args.generate}")
-        check(args.temperature > 0, f"--temperature must be > 0, got {args.temperature}")
-        check(args.load is not None, "--generate needs a checkpoint: pass --load PATH (written by --save)")
-        check(Path(args.load).is_file(), f"--load {args.load} is not a file; pass a checkpoint written by --save")
-        generate(args)
-        return
-    check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (masks differ)")
-    check(common.process_count(2) == 2,
-          "rpc_rnn.py runs as exactly 2 processes (ps and trainer); pass --nproc_per_node=2 to torchrun")
-    if args.save:
-        common.check_output_file("--save", args.save)
-    corpus = Corpus(common.wikitext2_dir(args.data_dir))
-    check(corpus.train.numel() // args.batch_size >= 2,
-          f"train.txt has {corpus.train.numel()} tokens, too few for --batch-size {args.batch_size}")
-    for name in ("valid", "test"):
-        check(getattr(corpus, name).numel() // args.eval_batch_size >= 2,
-              f"{name}.txt has {getattr(corpus, name).numel()} tokens, too few for "
-              f"--eval-batch-size {args.eval_batch_size}")
-    common.launch(run_worker, 2, args, corpus, timeout=args.rpc_timeout)
 
 
 if __name__ == "__main__":

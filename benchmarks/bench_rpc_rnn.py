@@ -6,9 +6,9 @@
 
 The model and vocabulary are smaller than the classic recipe so that a 2-core machine measures the RPC design
 rather than a minute per configuration: the vocabulary is that of the first --lines lines of WikiText-2's
-train.txt. Target: loss-on-ps >= 0.5x local tokens/s.
+train.txt.
 
-    python benchmarks/bench_rpc_rnn.py --data-dir ../shared/data
+    python benchmarks/bench_rpc_rnn.py --data-dir DATA     # DATA: WikiText-2 or its parent; downloaded if absent
 Each round measures the three one after the other; the best of --repeats rounds is reported.
 Last line: one JSON object with the three figures and the two ratios.
 """

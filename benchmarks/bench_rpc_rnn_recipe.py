@@ -1,14 +1,14 @@
 """Test perplexity of rpc_rnn.py's default recipe against the same model trained in one process.
 
-    python benchmarks/bench_rpc_rnn_recipe.py --data-dir ../shared/data --cuda          # 6 epochs each
-    python benchmarks/bench_rpc_rnn_recipe.py --data-dir ../shared/data --cuda --at-once
+    python benchmarks/bench_rpc_rnn_recipe.py --data-dir DATA --cuda          # 6 epochs each
+    python benchmarks/bench_rpc_rnn_recipe.py --data-dir DATA --cuda --at-once
 
 The one-process run is pytorch/examples' word_language_model loop (main.py: train, evaluate, keep the model
 with the best valid loss, divide lr by 4 when it did not improve, test the kept model) on rpc_rnn.RNNModel, the
 same LSTM model with the same initial weights and recipe (emsize 200, nhid 200, 2 layers, dropout 0.2, batch 20,
 bptt 35, lr 20, clip 0.25). The distributed run is `rpc_rnn.py --epochs N`. --at-once runs both at the same time
 (their perplexities are unaffected; their times are then not comparable). Prints test perplexity and seconds
-per epoch of each, then one JSON line.
+per epoch of each and their ratio, then one JSON line.
 """
 
 import dataclasses
@@ -116,10 +116,12 @@ def main():
     print(f"{where} | {args.epochs} epochs of the default recipe | vocabulary {len(corpus.words)}"
           + (" | both at once" if args.at_once else ""))
     print(f"one process (word_language_model loop) | test ppl {local[0]:7.1f} | {local[1]:6.1f} s/epoch")
-    print(f"rpc_rnn.py, ps + trainer               | test ppl {distributed[0]:7.1f} | {distributed[1]:6.1f} s/epoch")
+    print(f"rpc_rnn.py, ps + trainer               | test ppl {distributed[0]:7.1f} | {distributed[1]:6.1f} s/epoch | "
+          f"{distributed[1] / local[1]:.2f}x the one process's time" + (" (not comparable: at once)" if args.at_once
+                                                                       else ""))
     common.emit_result("bench_rpc_rnn_recipe", device=where, epochs=args.epochs, at_once=args.at_once,
                        local_test_ppl=local[0], local_s_per_epoch=local[1], test_ppl=distributed[0],
-                       s_per_epoch=distributed[1])
+                       s_per_epoch=distributed[1], s_per_epoch_vs_local=distributed[1] / local[1])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,17 @@
-"""rpc_rnn.py on a slice of WikiText-2: the loss falls, distributed gradients equal one-process gradients (with
-clipping), a checkpoint gathered from both processes loads into the plain model and generates text, the loss on
-the ps equals the tutorial's logits path, and failures end the run promptly with the right exit status."""
+"""rpc_rnn.py on a slice of WikiText-2: the loss falls, distributed gradients equal one-process gradients to the bit
+(with clipping), a checkpoint gathered from both processes loads into the plain model and generates text, the loss
+on the ps equals the tutorial's logits path, two torchrun nodes and a torchrun group restarted after kills compute
+the losses of one uninterrupted run, bad input is one line and exit 2 before anything is written, and failures
+(a dead, stopped or orphaned process, a full disk) end the run promptly with nothing left running."""
 
 import math
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
 import sys
 import time
 
@@ -13,6 +22,8 @@ import torch
 import common
 import rpc_rnn
 from conftest import (
+    OFFLINE,
+    REPO,
     assert_all_ended,
     assert_usage_error,
     data_root,
@@ -27,6 +38,7 @@ from conftest import (
 
 # Small enough for seconds per run on 2 cores, large enough that the loss has something to learn.
 SMALL = ["--emsize", "48", "--nhid", "48", "--batch-size", "10", "--bptt", "20"]
+TRAIN = ["--epochs", "2", "--max-batches", "20", "--log-interval", "10", *SMALL]
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +52,19 @@ def text_dir(tmp_path_factory):
     return folder
 
 
-TRAIN = ["--epochs", "2", "--max-batches", "20", "--log-interval", "10", *SMALL]
-
-
 @pytest.fixture(scope="module")
 def trained(text_dir, tmp_path_factory):
-    """One default (loss-on-ps) run that saves a checkpoint; several tests read it."""
-    checkpoint = tmp_path_factory.mktemp("checkpoint") / "lm.pt"
-    proc = run_script("rpc_rnn.py", "--data-dir", text_dir, *TRAIN, "--save", checkpoint, timeout=120)
+    """One default (loss-on-ps) run that saves the model and checkpoints; several tests read them."""
+    folder = tmp_path_factory.mktemp("trained")
+    proc = run_script("rpc_rnn.py", "--data-dir", text_dir, *TRAIN, "--save", folder / "lm.pt",
+                      "--checkpoint-dir", folder / "checkpoints", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, last_json(proc.stdout), checkpoint
+    return {"proc": proc, "result": last_json(proc.stdout), "save": folder / "lm.pt",
+            "checkpoint": folder / "checkpoints" / "rpc_rnn.pt"}
 
 
 def test_loss_falls_and_logs(trained):
-    proc, result, _ = trained
+    proc, result = trained["proc"], trained["result"]
     assert result["mode"] == "loss-on-ps" and result["batches"] == 40
     assert result["last_loss"] < result["first_loss"] - 0.5, result
     # Better than guessing uniformly over the vocabulary, on held-out text.
@@ -65,11 +76,11 @@ def test_loss_falls_and_logs(trained):
         assert field in train_lines[0], train_lines[0]
     assert sum("valid ppl" in line for line in lines) == 2
     assert any(line.startswith("test loss") and "test ppl" in line for line in lines)
+    assert proc.stderr == "", proc.stderr  # no warnings, deprecations included
 
 
 def test_checkpoint_loads_into_local_model_and_generates(trained, text_dir):
-    _, result, checkpoint = trained
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    saved = torch.load(trained["save"], map_location="cpu", weights_only=True)
     model = rpc_rnn.RNNModel(**saved["config"])
     model.load_state_dict(saved["model"])  # strict: every parameter of both processes is there
     corpus = rpc_rnn.Corpus(text_dir)
@@ -77,9 +88,9 @@ def test_checkpoint_loads_into_local_model_and_generates(trained, text_dir):
     # The one-process model scores the test text exactly as the distributed run did at its end.
     test_data = rpc_rnn.batchify(corpus.test, 10, "cpu")
     local_test_loss = rpc_rnn.evaluate(model, test_data, 20, 10, "cpu")
-    assert abs(local_test_loss - result["test_loss"]) < 1e-4, (local_test_loss, result["test_loss"])
+    assert abs(local_test_loss - trained["result"]["test_loss"]) < 1e-4, (local_test_loss, trained["result"])
 
-    proc = run_script("rpc_rnn.py", "--generate", 30, "--load", checkpoint, timeout=60)
+    proc = run_script("rpc_rnn.py", "--generate", 30, "--load", trained["save"], timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert last_json(proc.stdout)["words"] == 30
     words = " ".join(line for line in proc.stdout.splitlines() if not line.startswith("{")).split()
@@ -87,7 +98,7 @@ def test_checkpoint_loads_into_local_model_and_generates(trained, text_dir):
 
 
 def test_ship_logits_gives_the_same_losses(trained, text_dir):
-    _, result, _ = trained
+    result = trained["result"]
     proc = run_script("rpc_rnn.py", "--data-dir", text_dir, *TRAIN, "--ship-logits", timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shipped = last_json(proc.stdout)
@@ -98,19 +109,32 @@ def test_ship_logits_gives_the_same_losses(trained, text_dir):
     assert math.isclose(shipped["test_loss"], result["test_loss"], abs_tol=1e-4)
 
 
-def test_distributed_gradients_equal_one_process_gradients(text_dir):
-    # --clip 0.05 is below the gradient norm, so the global clipping across both processes is exercised, and
-    # the weights after DistributedOptimizer's step prove the optimizer used the clipped gradients.
-    proc = run_script("rpc_rnn.py", "--data-dir", text_dir, "--check-gradients", "--dropout", "0", "--clip", "0.05",
-                      "--max-batches", "3", *SMALL, timeout=120)
+def test_copied_alone_the_distributed_gradients_are_the_one_process_gradients(text_dir, tmp_path):
+    """From a folder holding only rpc_rnn.py and common.py. --clip 0.05 is below the gradient norm, so the global
+    clipping across both processes is exercised, and the weights after the distributed optimizer's step prove the
+    step used the clipped gradients. Same kernels on the same CPU: equal to the bit."""
+    for name in ("rpc_rnn.py", "common.py"):
+        shutil.copy(REPO / name, tmp_path / name)
+    proc = subprocess.run([sys.executable, "rpc_rnn.py", "--data-dir", str(text_dir), "--check-gradients",
+                           "--dropout", "0", "--clip", "0.05", "--max-batches", "3", *SMALL],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["batches"] == 3
     assert result["compared"] == len(list(rpc_rnn.RNNModel(10, 4, 4, 2, 0.0).parameters()))
     assert min(result["grad_norms"]) > 0.05, result  # clipping was active on every batch
-    assert result["max_grad_diff"] <= 1e-5, result
-    assert result["max_param_diff"] <= 1e-5, result
-    assert result["loss_diff"] <= 1e-5, result
+    assert result["max_grad_diff"] == result["max_param_diff"] == result["loss_diff"] == 0.0, result
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["common.py", "rpc_rnn.py"]  # wrote nothing
+
+
+def test_help_and_docstring_name_only_what_a_copy_has(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["rpc_rnn.py", "--help"])
+    with pytest.raises(SystemExit):
+        rpc_rnn.main()
+    text = capsys.readouterr().out + rpc_rnn.__doc__
+    assert "--checkpoint-dir" in text and "torchrun" in text
+    for elsewhere in ("benchmarks/", "tests/", "../shared", "README", "docs/"):
+        assert elsewhere not in text, elsewhere
 
 
 def test_ps_death_ends_the_run(text_dir):
@@ -137,51 +161,313 @@ def test_ps_death_ends_the_run(text_dir):
             launcher.wait()
 
 
-@pytest.fixture
-def empty_test_dir(text_dir, tmp_path):
-    for name in ("train.txt", "valid.txt"):
-        (tmp_path / name).write_text((text_dir / name).read_text(encoding="utf-8"), encoding="utf-8")
-    (tmp_path / "test.txt").write_text("\n\n", encoding="utf-8")
-    return tmp_path
+def test_a_stopped_ps_is_named_and_the_run_ends(text_dir):
+    """SIGSTOP of the ps while the trainer waits on it: the launcher names it once it has been silent for
+    --rpc-timeout / 2 s, before the trainer's RPC times out, and kills both, the stopped one included."""
+    launcher = start_script("rpc_rnn.py", "--data-dir", text_dir, "--epochs", 50, "--log-interval", 1,
+                            "--rpc-timeout", 10, *SMALL)
+    try:
+        wait_for_line(launcher, "ms/batch", timeout=90)
+        workers = spawned_workers(launcher)
+        stopped_at = time.monotonic()
+        workers[0].send_signal(signal.SIGSTOP)
+        _, stderr = launcher.communicate(timeout=60)
+        assert 4 <= time.monotonic() - stopped_at < 10 + 5, stderr  # silent 5 s (heartbeats come each second)
+        assert launcher.returncode == 1
+        assert re.fullmatch(rf"error: process 0 \(pid {workers[0].pid}\) sent no sign of life for \d+ s \(stopped\); "
+                            r"the other processes were stopped", stderr.strip()), stderr
+        assert_all_ended(workers, timeout=5)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
 
 
-def bad_input_cases(text_dir, empty_test_dir, tmp_path):
-    corrupt = tmp_path / "corrupt.pt"
-    corrupt.write_bytes(b"not a checkpoint")
+def test_a_killed_launcher_leaves_nothing(text_dir):
+    launcher = start_script("rpc_rnn.py", "--data-dir", text_dir, "--epochs", 50, "--log-interval", 1, *SMALL)
+    try:
+        wait_for_line(launcher, "ms/batch", timeout=90)
+        workers = spawned_workers(launcher)
+        assert len(workers) == 2, workers
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        assert_all_ended(workers, timeout=10)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one(text_dir, tmp_path):
+    """The disk fills up mid-run: a file-size limit of 256 kB put on the trainer, which writes every file, stops
+    the next checkpoint (2.8 MB) but not the few bytes the processes add to their rendezvous file as they shut down.
+    One line that says what to do, exit status 1, and the last checkpoint and the saved model still load."""
+    checkpoint_dir, save = tmp_path / "checkpoints", tmp_path / "lm.pt"
+    launcher = start_script("rpc_rnn.py", "--data-dir", text_dir, "--epochs", 50, "--max-batches", 20,
+                            "--log-interval", 1, "--checkpoint-dir", checkpoint_dir, "--checkpoint-interval", 2,
+                            "--save", save, *SMALL)
+    try:
+        wait_for_line(launcher, "epoch 1 | valid loss", timeout=90)
+        deadline = time.monotonic() + 60
+        while not (save.exists() and (checkpoint_dir / "rpc_rnn.pt").exists()) and time.monotonic() < deadline:
+            time.sleep(0.1)  # both are written right after the valid line
+        workers = spawned_workers(launcher)
+        resource.prlimit(workers[1].pid, resource.RLIMIT_FSIZE, (256_000, 256_000))
+        _, stderr = launcher.communicate(timeout=120)
+        assert launcher.returncode == 1, stderr
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+        assert "cannot write" in stderr and "free space" in stderr and "intact" in stderr, stderr
+        saved = common.load_checkpoint(checkpoint_dir / "rpc_rnn.pt", "rpc_rnn", "--resume",
+                                       keys=rpc_rnn.CHECKPOINT_KEYS)
+        assert saved["progress"]["epoch"] >= 2 or saved["progress"]["batch"] >= 2
+        model = torch.load(save, weights_only=True)
+        rpc_rnn.RNNModel(**model["config"]).load_state_dict(model["model"])
+        assert [path.name for path in checkpoint_dir.iterdir()] == ["rpc_rnn.pt"]  # no temporary file left
+        assert_all_ended(workers, timeout=5)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+# --- torchrun: two nodes, and a group restarted after its trainer is killed ---
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
+
+
+def kill_tree(proc):
+    """Kill a torchrun agent that is still running, and its workers (which do not die with a killed agent)."""
+    if proc.poll() is not None:
+        return
+    try:
+        processes = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=10)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_torchrun_nodes_compute_the_losses_of_the_spawned_run(trained, text_dir):
+    port = free_port()
+    nodes = [subprocess.Popen(torchrun("--nnodes", 2, "--node-rank", rank, "--nproc-per-node", 1, "--master-addr",
+                                       "127.0.0.1", "--master-port", port, "rpc_rnn.py", "--data-dir", text_dir,
+                                       *TRAIN),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_tree(node)
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
+    assert outputs[0][0] == ""  # node 0 is the ps: it says nothing
+    result = last_json(outputs[1][0])
+    assert result["losses"] == trained["result"]["losses"]
+    assert result["test_loss"] == trained["result"]["test_loss"]
+
+
+def trainer_of(agent):
+    """The torchrun worker with RANK 1 under the agent process."""
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == "1":
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    raise AssertionError("no trainer under torchrun")
+
+
+def test_torchrun_restarts_after_killed_trainers_end_with_the_uninterrupted_losses(trained, text_dir, tmp_path):
+    """torchrun --max-restarts: the trainer is killed twice mid-run; each time the group restarts, resumes from
+    the last checkpoint (taken every 5 batches) and the run ends with the losses of the uninterrupted one."""
+    agent = subprocess.Popen(torchrun("--standalone", "--nproc-per-node", 2, "--max-restarts", 3, "--monitor-interval",
+                                      0.1, "rpc_rnn.py", "--data-dir", text_dir, *TRAIN, "--checkpoint-dir", tmp_path,
+                                      "--checkpoint-interval", 5, "--resume"),
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(agent, "epoch 1 | batch 10/20", timeout=120)
+        trainer_of(agent).kill()
+        first_resume = wait_for_line(agent, "resuming at", timeout=120)
+        wait_for_line(agent, "ms/batch", timeout=120)
+        trainer_of(agent).kill()
+        second_resume = wait_for_line(agent, "resuming at", timeout=120)
+        rest, stderr = agent.communicate(timeout=180)
+    finally:
+        kill_tree(agent)
+    assert agent.returncode == 0, stderr[-3000:]
+    # Each restarted group resumed from a checkpoint: progress was kept, not started again.
+    first, second = ([int(n) for n in re.findall(r"\d+", line.split(" from ")[0])] for line in (first_resume,
+                                                                                               second_resume))
+    assert first >= [1, 5] and second >= first, (first_resume, second_resume)
+    result = last_json(rest)
+    assert result["losses"] == trained["result"]["losses"]
+    assert result["test_loss"] == trained["result"]["test_loss"]
+
+
+# --- Bad input: one line, exit status 2, before any process starts and before anything is written ---
+
+def write_text(folder, **texts):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (folder / f"{name}.txt").write_bytes(text if isinstance(text, bytes) else text.encode())
+    return folder
+
+
+def corpus_like(text_dir, folder, **replaced):
+    """A copy of the text slice with some files replaced (bytes or str), or made folders (None)."""
+    texts = {name: (text_dir / f"{name}.txt").read_bytes() for name in ("train", "valid", "test")}
+    texts.update({name: text for name, text in replaced.items() if text is not None})
+    write_text(folder, **texts)
+    for name in (name for name, text in replaced.items() if text is None):
+        (folder / f"{name}.txt").unlink()
+        (folder / f"{name}.txt").mkdir()
+    return folder
+
+
+def damaged(checkpoint, folder):
+    """A copy of the checkpoint in folder with one weight changed and its saved checksum kept: a file that
+    torch.load reads happily."""
+    folder.mkdir()
+    saved = torch.load(checkpoint, weights_only=True)
+    saved["model"]["rnn.weight_hh_l0"][0, 0] += 1.0
+    torch.save(saved, folder / "rpc_rnn.pt")
+
+
+def bad_invocations(text_dir, trained, tmp):
+    """{case: (argv, fragment of the one line)}; every file a case needs is made under tmp."""
+    data = ["--data-dir", text_dir]
+    resume_dir, damaged_dir = tmp / "resume", tmp / "damaged"
+    resume_dir.mkdir()
+    shutil.copy(trained["checkpoint"], resume_dir / "rpc_rnn.pt")
+    damaged(trained["checkpoint"], damaged_dir)
+    damaged(trained["save"], tmp / "damaged-save")
+    (tmp / "folder-checkpoint" / "rpc_rnn.pt").mkdir(parents=True)
+    resume = [*data, *TRAIN, "--checkpoint-dir", resume_dir, "--resume"]
+    truncated = tmp / "truncated.pt"
+    truncated.write_bytes(trained["save"].read_bytes()[:5000])
+    garbage = tmp / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    other_script = tmp / "multi_gpu.pt"
+    common.save_checkpoint(other_script, "multi_gpu", {"model": {}, "vocab": [], "config": {}})
+    (tmp / "a-file").write_text("x")
+    (tmp / "empty-folder").mkdir()
+    unreadable = corpus_like(text_dir, tmp / "unreadable")
+    (unreadable / "train.txt").chmod(0)
     return {
-        "bptt": (["--data-dir", text_dir, "--bptt", "0"], "--bptt must be > 0"),
-        "batch": (["--data-dir", text_dir, "--batch-size", "-1"], "--batch-size must be > 0"),
-        "not-a-folder": (["--data-dir", text_dir / "train.txt"], "is not a folder"),
-        "empty-file": (["--data-dir", empty_test_dir], "holds no words"),
-        "no-load": (["--generate", "5"], "--load PATH"),
-        "missing-load": (["--generate", "5", "--load", tmp_path / "nothing.pt"], "is not a file"),
-        "corrupt-load": (["--generate", "5", "--load", corrupt], "cannot load checkpoint"),
-        "check-dropout": (["--data-dir", text_dir, "--check-gradients"], "--dropout 0"),
-        "cuda": (["--data-dir", text_dir, "--cuda"], "no CUDA GPU"),
+        "bptt-zero": ([*data, "--bptt", "0"], "--bptt must be > 0"),
+        "batch-size-negative": ([*data, "--batch-size", "-1"], "--batch-size must be > 0"),
+        "lr-nan": ([*data, "--lr", "nan"], "'nan' is not a finite number"),
+        "clip-inf": ([*data, "--clip", "inf"], "'inf' is not a finite number"),
+        "dropout-one": ([*data, "--dropout", "1"], "--dropout must be in [0, 1)"),
+        "rpc-timeout-zero": ([*data, "--rpc-timeout", "0"], "--rpc-timeout must be > 0"),
+        "checkpoint-interval-negative": ([*data, "--checkpoint-dir", tmp / "new", "--checkpoint-interval", "-5"],
+                                         "--checkpoint-interval must be > 0"),
+        "checkpoint-interval-alone": ([*data, "--checkpoint-interval", "5"], "needs --checkpoint-dir"),
+        "generate-zero": (["--generate", "0", "--load", trained["save"]], "--generate must be > 0"),
+        "temperature-zero": (["--generate", "5", "--load", trained["save"], "--temperature", "0"],
+                             "--temperature must be > 0"),
+        "data-dir-is-a-file": (["--data-dir", text_dir / "train.txt"], "is not a folder"),
+        "no-data-offline": (["--data-dir", tmp / "empty-folder"], "cannot download train.txt"),
+        "train-txt-is-a-folder": (["--data-dir", corpus_like(text_dir, tmp / "folder", train=None)],
+                                  "is a folder, not the data file"),
+        "empty-corpus": (["--data-dir", corpus_like(text_dir, tmp / "empty", test="\n\n")], "holds no words"),
+        "one-line-corpus": (["--data-dir", corpus_like(text_dir, tmp / "one-line", train="just one line\n")],
+                            "train.txt has 4 tokens, too few for --batch-size 20"),
+        "not-utf8": (["--data-dir", corpus_like(text_dir, tmp / "latin1", valid=b"caf\xe9\n")], "not UTF-8 text"),
+        "unreadable-train-txt": (["--data-dir", unreadable], "cannot read"),
+        "save-is-a-folder": ([*data, "--save", tmp], "is a folder; pass a file name"),
+        "save-in-a-missing-folder": ([*data, "--save", tmp / "missing" / "lm.pt"], "does not exist"),
+        "checkpoint-dir-is-a-file": ([*data, "--checkpoint-dir", tmp / "a-file"], "is a file; pass a folder"),
+        "resume-without-checkpoint-dir": ([*data, "--resume"], "--resume needs --checkpoint-dir"),
+        "load-without-generate": ([*data, "--load", trained["save"]], "--load is read by --generate only"),
+        "load-missing": (["--generate", "5", "--load", tmp / "nothing.pt"], "no such file"),
+        "load-is-a-folder": (["--generate", "5", "--load", tmp], "is a folder, not a file"),
+        "load-garbage": (["--generate", "5", "--load", garbage], "not a readable checkpoint"),
+        "load-truncated": (["--generate", "5", "--load", truncated], "not a readable checkpoint"),
+        "load-of-another-script": (["--generate", "5", "--load", other_script], "a checkpoint of multi_gpu.py"),
+        "load-damaged": (["--generate", "5", "--load", tmp / "damaged-save" / "rpc_rnn.pt"], "damaged"),
+        "checkpoint-is-a-folder": ([*data, "--checkpoint-dir", tmp / "folder-checkpoint", "--resume"],
+                                   "rpc_rnn.pt is a folder"),
+        "resume-damaged": ([*data, *TRAIN, "--checkpoint-dir", damaged_dir, "--resume"], "damaged"),
+        "resume-another-recipe": ([*resume, "--emsize", "64"], "written with --emsize 48"),
+        "resume-another-text": ([*resume, "--data-dir", corpus_like(text_dir, tmp / "other", train="a b c\n" * 99)],
+                                "written for another text"),
+        "resume-more-epochs-than-asked": ([*resume, "--epochs", "1"], "holds 2 finished epochs, more than --epochs 1"),
+        "check-gradients-with-dropout": ([*data, "--check-gradients"], "--dropout 0"),
+        "cuda-without-gpu": ([*data, "--cuda"], "no CUDA GPU"),
     }
 
 
-@pytest.mark.parametrize("case", ["bptt", "corrupt-load"])
-def test_bad_input_is_one_line_exit_2(case, text_dir, empty_test_dir, tmp_path):
-    args, fragment = bad_input_cases(text_dir, empty_test_dir, tmp_path)[case]
-    assert_usage_error(run_script("rpc_rnn.py", *args, timeout=60), fragment)
+def files_under(folder):
+    return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*")}
 
 
-@pytest.mark.parametrize("case", ["batch", "not-a-folder", "empty-file", "no-load", "missing-load", "check-dropout",
-                                  "cuda"])
-def test_bad_input_in_process(case, text_dir, empty_test_dir, tmp_path, monkeypatch, capsys):
-    """The same checks, through main() in this process: every one of them fires before any worker starts, and
-    a subprocess per case would cost seconds of torch imports each."""
-    if case == "cuda" and common.cuda_device_count() > 0:
+BAD_CASES = [
+    "bptt-zero", "batch-size-negative", "lr-nan", "clip-inf", "dropout-one", "rpc-timeout-zero",
+    "checkpoint-interval-negative", "checkpoint-interval-alone", "generate-zero", "temperature-zero",
+    "data-dir-is-a-file", "no-data-offline", "train-txt-is-a-folder", "empty-corpus", "one-line-corpus", "not-utf8",
+    "unreadable-train-txt", "save-is-a-folder", "save-in-a-missing-folder", "checkpoint-dir-is-a-file",
+    "resume-without-checkpoint-dir", "load-without-generate", "load-missing", "load-is-a-folder", "load-garbage",
+    "load-truncated", "load-of-another-script", "load-damaged", "checkpoint-is-a-folder", "resume-damaged",
+    "resume-another-recipe", "resume-another-text",
+    "resume-more-epochs-than-asked", "check-gradients-with-dropout", "cuda-without-gpu",
+]
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(text_dir, trained, tmp_path_factory):
+    """The folder holding every file the bad invocations name, made once, and the invocations."""
+    folder = tmp_path_factory.mktemp("bad-inputs")
+    cases = bad_invocations(text_dir, trained, folder)
+    assert sorted(cases) == sorted(BAD_CASES)  # every case of the table is run
+    return folder, cases
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, bad_inputs, monkeypatch, capsys):
+    """Through main() in this process (a subprocess per case would cost seconds of imports each; the next test
+    runs two cases end to end): no process is started, nothing is written."""
+    if case == "cuda-without-gpu" and common.cuda_device_count() > 0:
         pytest.skip("this machine has a GPU")
-    args, fragment = bad_input_cases(text_dir, empty_test_dir, tmp_path)[case]
-    monkeypatch.setattr(sys, "argv", ["rpc_rnn.py", *map(str, args)])
+    if case == "unreadable-train-txt" and os.geteuid() == 0:
+        pytest.skip("root reads any file whatever its permission bits")
+    folder, cases = bad_inputs
+    argv, fragment = cases[case]
+    if case == "no-data-offline":
+        for name, value in OFFLINE.items():
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(common, "launch", lambda *args, **kwargs: pytest.fail("a process was started"))
+    monkeypatch.setattr(sys, "argv", ["rpc_rnn.py", *map(str, argv)])
+    before = files_under(folder)
     with pytest.raises(SystemExit) as exit_info:
         common.run_main(rpc_rnn.main)
     assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and fragment in lines[0], lines
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and captured.out == "", (fragment, captured)
+    assert files_under(folder) == before
 
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--lr", "nan"], "argument --lr: 'nan' is not a finite number"),
+    (["--bptt", "0"], "--bptt must be > 0"),
+])
+def test_bad_input_end_to_end(args, fragment, text_dir):
+    assert_usage_error(run_script("rpc_rnn.py", "--data-dir", text_dir, *args, timeout=60), fragment)
+
+
+# --- GPUs ---
 
 @needs_gpus(1)
 def test_distributed_gradients_on_gpus_equal_one_cpu_process(text_dir):
