@@ -32,21 +32,17 @@ shared with other work, two thirds of it evaluating the full valid and test sets
 """
 
 import math
-import os
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
-from urllib.parse import parse_qsl, urlparse
 
 import torch
-import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import optim
 from torch.distributed import rpc
-from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.nn.utils import skip_init
 
 import common
@@ -368,7 +364,6 @@ def run_worker(info, args, corpus, resume_from):
     # the same time: each may use every core of the machine while the other waits.
     torch.set_num_threads(common.usable_cpus())
     common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
-    info = fresh_rendezvous_after_restart(info)
     ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     if args.cuda and args.check_gradients:
         common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
@@ -821,31 +816,6 @@ def shut_down_in_order():
         rpc.shutdown()
     except (RuntimeError, OSError):  # torch's store errors (DistStoreError) are RuntimeErrors
         pass
-
-
-def fresh_rendezvous_after_restart(info):
-    """Under torchrun, the processes of a restarted group (--max-restarts) must not meet through the keys that
-    the previous group left in torchrun's store: they hold the addresses of processes that are gone, and a new
-    process that reads one before its peer has overwritten it fails to connect ("Connection refused" in gloo's
-    connectFullMesh, during RPC set-up). Each restart round gets keys of its own, under a PrefixStore named after
-    TORCHELASTIC_RESTART_COUNT. A spawned run (file rendezvous in a fresh folder) is returned as it is."""
-    if info.init_method != "env://":
-        return info
-    try:
-        register_rendezvous_handler(RESTART_SCHEME, _restart_round_rendezvous)
-    except RuntimeError:  # registered already, by an earlier call in this process
-        pass
-    return replace(info, init_method=f"{RESTART_SCHEME}://")
-
-
-RESTART_SCHEME = "torchrun-round"
-
-
-def _restart_round_rendezvous(url, **kwargs):
-    query = dict(parse_qsl(urlparse(url).query))
-    rounds = dist.rendezvous("env://", rank=int(query["rank"]), world_size=int(query["world_size"]), **kwargs)
-    store, rank, world_size = next(rounds)
-    yield dist.PrefixStore(f"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store), rank, world_size
 
 
 def generate(args):
