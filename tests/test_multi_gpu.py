@@ -3,12 +3,14 @@
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -193,6 +195,118 @@ def test_torchrun_launch_equals_one_process(one_process_short, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert last_json(proc.stdout)["world_size"] == 2
     torch.testing.assert_close(final_params(tmp_path), one_process_short["params"], rtol=1e-5, atol=1e-6)
+
+
+def torchrun(*arguments, recipe=(), env=None):
+    """Start `torchrun ARGUMENTS multi_gpu.py FLAGS` (stdout and stderr are text pipes)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *map(str, arguments), "multi_gpu.py",
+                             *flags(CPU, data_flags(), *recipe)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def kill_all(*processes, pids=()):
+    """SIGKILL the Popen objects, everything they started and the processes in `pids` (torchrun's workers outlive
+    an agent that is killed outright), so that a failing test leaves nothing running."""
+    doomed = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+    for proc in processes:
+        if proc.poll() is None:
+            doomed += psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+    for process in doomed:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_loopback_equal_one_process(one_process_short, tmp_path):
+    """Two torchrun agents, one process each, meeting at 127.0.0.1 (the static rendezvous, as on two machines):
+    the parameters of one process; rank 0 alone writes the checkpoint."""
+    port = free_port()
+    nodes = [torchrun("--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
+                      "--master-port", port, recipe=[SHORT, {"checkpoint_dir": tmp_path / f"node{node}"}],
+                      env={"GLOO_SOCKET_IFNAME": "lo"})
+             for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        kill_all(*nodes)
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    result = last_json(outputs[0][0])
+    assert result["world_size"] == 2 and "{" not in outputs[1][0]  # rank 0 alone reports
+    assert not (tmp_path / "node1").exists()
+    torch.testing.assert_close(final_params(tmp_path / "node0"), one_process_short["params"], rtol=1e-5, atol=1e-6)
+
+
+# Epochs of a second or two on 2 CPU processes: long enough to kill a worker in the middle of one.
+RESTARTS = {"batch_size": 64, "lr": 0.2, "limit_train": 4096, "epochs": 6, "seed": 1}
+
+
+def new_torchrun_workers(agent, seen, count=2, timeout=120):
+    """The `count` worker processes of a torchrun agent's current round, in local rank order, once none of them is
+    in `seen` (the pids of earlier rounds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert agent.poll() is None, agent.stderr.read()[-3000:]
+        try:
+            workers = [child for child in psutil.Process(agent.pid).children() if "multi_gpu.py" in child.cmdline()]
+            if len(workers) == count and not {worker.pid for worker in workers} & seen:
+                return sorted(workers, key=lambda worker: int(worker.environ()["LOCAL_RANK"]))
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no new round of {count} workers within {timeout} s")
+
+
+def checkpoint_epoch(path):
+    try:
+        return torch.load(path, weights_only=True)["epoch"]
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_checkpoint(path, epoch, agent, timeout=120):
+    deadline = time.monotonic() + timeout
+    while checkpoint_epoch(path) < epoch:
+        assert agent.poll() is None, agent.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint of epoch {epoch} within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_torchrun_restarts_after_killed_workers_and_ends_with_the_uninterrupted_parameters(tmp_path):
+    """torchrun --max-restarts 3 --checkpoint-dir D --resume: three times, a worker (rank 1, 0, 1 in turn) is killed
+    (SIGKILL) in the epoch after the one its round checkpointed first. Each time torchrun restarts both workers, which
+    resume from the last checkpoint; the run ends with the parameters and learning curve of an uninterrupted run.
+
+    Before round_store, a restarted round read the dead round's gloo addresses from torchrun's store, and most
+    restarts failed with "Gloo connectFullMesh failed ... Connection refused"."""
+    reference = multi_gpu_run(CPU, RESTARTS, procs=2, checkpoint_dir=tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr
+    checkpoint = tmp_path / "restarted" / "multi_gpu.pt"
+    agent = torchrun("--standalone", "--nproc-per-node", 2, "--max-restarts", 3, "--monitor-interval", 0.1,
+                     recipe=[RESTARTS, {"checkpoint_dir": checkpoint.parent, "resume": True}])
+    seen = set()
+    try:
+        for kill in range(3):
+            workers = new_torchrun_workers(agent, seen)
+            seen |= {worker.pid for worker in workers}
+            wait_for_checkpoint(checkpoint, checkpoint_epoch(checkpoint) + 1, agent)
+            workers[(kill + 1) % 2].send_signal(signal.SIGKILL)
+        stdout, stderr = agent.communicate(timeout=240)
+    finally:
+        kill_all(agent, pids=seen)
+    assert agent.returncode == 0, stderr[-3000:]
+    assert stdout.count("resuming after epoch") == 3, stdout
+    assert "connectFullMesh" not in stderr
+    resumed, uninterrupted = last_json(stdout), last_json(reference.stdout)
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in uninterrupted["history"]]
+    torch.testing.assert_close(final_params(checkpoint.parent), final_params(tmp_path / "reference"), rtol=0, atol=0)
 
 
 def torchrun_environment(local_rank, local_world_size):
