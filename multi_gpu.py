@@ -25,6 +25,7 @@ with (the tutorial reports test acc 0.84 after 10 epochs):
 
 import dataclasses
 import datetime
+import io
 import math
 import os
 import secrets
@@ -60,6 +61,7 @@ from common import (
     run_main,
     save_checkpoint,
     set_tf32,
+    write_atomic,
 )
 
 
@@ -551,8 +553,7 @@ def round_store(info, timeout_s):
 
 
 def report(args, history, world_size, device, n_train, resumed_after):
-    if args.plot:
-        plot_learning_curve(history, args.plot)
+    """The JSON line, then the plot: a plot that cannot be written loses neither the figures nor the checkpoint."""
     ran = history[resumed_after:] or history
     seconds = sorted(h["seconds"] for h in ran)[len(ran) // 2]  # median: the first epoch includes warm-up
     last = history[-1] if history else {}
@@ -560,9 +561,12 @@ def report(args, history, world_size, device, n_train, resumed_after):
                 epochs=len(history), loss=last.get("loss"), train_acc=last.get("train_acc"),
                 test_acc=last.get("test_acc"), s_per_epoch=seconds, samples_per_s=n_train / seconds,
                 history=history)
+    if args.plot:
+        plot_learning_curve(history, args.plot)
 
 
 def plot_learning_curve(history, path):
+    """Test accuracy and training loss per epoch as a PNG, written atomically: a failed write keeps the old file."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -578,8 +582,15 @@ def plot_learning_curve(history, path):
     acc_axis.set_ylim(0, 1)
     figure.legend(loc="center right")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
     plt.close(figure)
+    try:
+        write_atomic(path, png.getvalue())
+    except OSError as error:
+        raise RunFailed(f"cannot write {path} ({error.strerror or error}); free space on that disk, lift the "
+                        f"file-size limit or pass another --plot; the JSON result and the checkpoints are kept"
+                        ) from None
 
 
 if __name__ == "__main__":
