@@ -72,10 +72,16 @@ class Args:
     on this machine, 0 if there is none"""
     procs: int = 2
     """number of CPU processes when --gpus is 0"""
-    batch_size: int = 256
-    """global minibatch size, split evenly across the processes"""
+    batch_size: Optional[int] = None
+    """global minibatch size, split evenly across the processes: 256 (the tutorial's) unless --batch-per-device"""
+    batch_per_device: Optional[int] = None
+    """minibatch size of each process instead: the global batch grows with the k processes to k*B (exercise 1)"""
     lr: float = 0.2
-    """SGD learning rate"""
+    """SGD learning rate (with --lr-scaling: for a global batch of 256)"""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """scale --lr to the global batch: by batch/256 (Goyal et al. 2017) or its square root (Hoffer et al. 2017)"""
+    warmup_epochs: float = 0.0
+    """with --lr-scaling, ramp the learning rate from --lr up to the scaled rate over this many epochs"""
     epochs: int = 10
     """number of passes over the training set"""
     allreduce: Literal["tutorial", "ring", "builtin", "ddp"] = "ring"
@@ -104,7 +110,7 @@ class Args:
 
 def validate(args):
     """The rules of the flags, checked before any work starts: each broken rule is one line and exit status 2.
-    Fills in --gpus when it was not given."""
+    Fills in --gpus and --batch-size when they were not given."""
     gpus_here = cuda_device_count()
     if launched_by_torchrun():  # one process per GPU, and torchrun decided how many run on this machine
         local = local_process_count(1)
@@ -121,11 +127,22 @@ def validate(args):
                                   f"pass --gpus {gpus_here}" + (" to train on CPU processes" if not gpus_here else ""))
     check(args.procs >= 1, f"--procs must be at least 1, not {args.procs}")
     check(args.lr > 0, f"--lr must be positive, not {args.lr}")
+    check(args.warmup_epochs >= 0, f"--warmup-epochs must be 0 or more, not {args.warmup_epochs}")
+    check(not args.warmup_epochs or args.lr_scaling != "none",
+          "--warmup-epochs ramps --lr up to the scaled rate: pass --lr-scaling linear or sqrt too")
     check(args.epochs > 0, f"--epochs must be positive, not {args.epochs}")
     check(args.timeout > 0, f"--timeout must be positive, not {args.timeout}")
     check(args.limit_train is None or args.limit_train > 0, f"--limit-train must be positive, not {args.limit_train}")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     processes = process_count(args.gpus or args.procs)
+    check(args.batch_size is None or args.batch_per_device is None,
+          "--batch-size (global) and --batch-per-device exclude each other; pass one of them")
+    check(args.batch_per_device is None or args.batch_per_device > 0,
+          f"--batch-per-device must be positive, not {args.batch_per_device}")
+    if args.batch_per_device is not None:
+        args.batch_size = args.batch_per_device * processes
+    elif args.batch_size is None:
+        args.batch_size = 256
     check(args.batch_size >= processes,
           f"--batch-size {args.batch_size} is smaller than the {processes} processes; every process needs a shard")
     if args.plot:
@@ -330,13 +347,12 @@ def train_epoch(model, step, data, args, epoch, rank, world_size):
     train_x = data[0]
     # Every rank draws the same permutation, so all agree on the global batches without communicating.
     order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-    order = order.to(train_x.device)
+    batches = order.to(train_x.device).split(args.batch_size)
     totals = torch.zeros(2, device=train_x.device)
-    for start in range(0, len(train_x), args.batch_size):
-        batch = order[start:start + args.batch_size]
+    for i, batch in enumerate(batches):
         totals += step(batch.tensor_split(world_size)[rank], len(batch))  # forward, loss, backward
         model.sum_gradients()
-        model.update(args.lr)
+        model.update(learning_rate(args, epoch * len(batches) + i, len(batches)))  # --lr unless --lr-scaling
     return totals
 
 
@@ -394,6 +410,31 @@ def main():
     validate(args)
     data = load_fashion_mnist(fashion_mnist_dir(args.data_dir))  # downloaded once and verified, before any worker
     launch(run_worker, process_count(args.gpus or args.procs), args, data, timeout=args.timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: larger batches for more devices (the chapter's exercises 1 and 2)
+# ---------------------------------------------------------------------------------------------------------
+
+def learning_rate(args, step, steps_per_epoch):
+    """The learning rate of the run's step `step` (counted from its first epoch): --lr, unless --lr-scaling.
+
+    With k devices the tutorial keeps the global batch at 256, so each device gets 256/k images and computes less as
+    k grows; --batch-per-device B keeps each device's batch instead, and the global batch grows to kB. A larger batch
+    takes fewer steps per epoch, each with a less noisy gradient, and so wants a larger learning rate.
+    `linear` is the linear scaling rule of Goyal et al. 2017 ("Accurate, Large Minibatch SGD: Training ImageNet in
+    1 Hour", arXiv:1706.02677, sec. 2.1): multiply the rate by b/256 when the batch grows from 256 to b, so that one
+    step of b images moves the parameters about as far as b/256 steps of 256 would, which holds while the gradient
+    changes little over those steps. Early in training it changes fast, hence their gradual warm-up (sec. 2.2):
+    start at --lr and add a constant each step to reach the scaled rate after --warmup-epochs epochs (they use 5).
+    `sqrt` multiplies by sqrt(b/256) instead, which keeps the covariance of the updates' noise the same (Hoffer
+    et al. 2017, "Train longer, generalize better", arXiv:1705.08741).
+    """
+    scale = {"none": 1.0, "linear": args.batch_size / 256, "sqrt": math.sqrt(args.batch_size / 256)}[args.lr_scaling]
+    warmup_steps = args.warmup_epochs * steps_per_epoch
+    if step >= warmup_steps:
+        return args.lr * scale
+    return args.lr + (args.lr * scale - args.lr) * step / warmup_steps
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -463,7 +504,9 @@ class GraphedSteps:
 
 def recipe(args):
     """What a resumed run must share with the run that wrote the checkpoint (the process count may differ)."""
-    return {"batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "limit_train": args.limit_train}
+    schedule = {"lr_scaling": args.lr_scaling, "warmup_epochs": args.warmup_epochs} if args.lr_scaling != "none" else {}
+    return {"batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "limit_train": args.limit_train,
+            **schedule}
 
 
 def checkpoint_path(args):
@@ -558,9 +601,9 @@ def report(args, history, world_size, device, n_train, resumed_after):
     seconds = sorted(h["seconds"] for h in ran)[len(ran) // 2]  # median: the first epoch includes warm-up
     last = history[-1] if history else {}
     emit_result("multi_gpu", allreduce=args.allreduce, world_size=world_size, device=device.type,
-                epochs=len(history), loss=last.get("loss"), train_acc=last.get("train_acc"),
-                test_acc=last.get("test_acc"), s_per_epoch=seconds, samples_per_s=n_train / seconds,
-                history=history)
+                batch_size=args.batch_size, lr=learning_rate(args, math.inf, 1), epochs=len(history),
+                loss=last.get("loss"), train_acc=last.get("train_acc"), test_acc=last.get("test_acc"),
+                s_per_epoch=seconds, samples_per_s=n_train / seconds, history=history)
     if args.plot:
         plot_learning_curve(history, args.plot)
 
