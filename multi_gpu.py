@@ -77,9 +77,12 @@ class Args:
     batch_per_device: Optional[int] = None
     """minibatch size of each process instead: the global batch grows with the k processes to k*B (exercise 1)"""
     lr: float = 0.2
-    """SGD learning rate (with --lr-scaling: for a global batch of 256)"""
+    """SGD learning rate (with --lr-scaling: the rate for a global batch of --lr-base-batch)"""
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    """scale --lr to the global batch: by batch/256 (Goyal et al. 2017) or its square root (Hoffer et al. 2017)"""
+    """scale --lr to the global batch b: by b/--lr-base-batch (Goyal et al. 2017) or its square root (Hoffer et al.
+    2017)"""
+    lr_base_batch: int = 256
+    """the global batch that --lr is meant for when --lr-scaling scales it (256: the tutorial's)"""
     warmup_epochs: float = 0.0
     """with --lr-scaling, ramp the learning rate from --lr up to the scaled rate over this many epochs"""
     epochs: int = 10
@@ -127,6 +130,7 @@ def validate(args):
                                   f"pass --gpus {gpus_here}" + (" to train on CPU processes" if not gpus_here else ""))
     check(args.procs >= 1, f"--procs must be at least 1, not {args.procs}")
     check(args.lr > 0, f"--lr must be positive, not {args.lr}")
+    check(args.lr_base_batch > 0, f"--lr-base-batch must be positive, not {args.lr_base_batch}")
     check(args.warmup_epochs >= 0, f"--warmup-epochs must be 0 or more, not {args.warmup_epochs}")
     check(not args.warmup_epochs or args.lr_scaling != "none",
           "--warmup-epochs ramps --lr up to the scaled rate: pass --lr-scaling linear or sqrt too")
@@ -423,14 +427,15 @@ def learning_rate(args, step, steps_per_epoch):
     k grows; --batch-per-device B keeps each device's batch instead, and the global batch grows to kB. A larger batch
     takes fewer steps per epoch, each with a less noisy gradient, and so wants a larger learning rate.
     `linear` is the linear scaling rule of Goyal et al. 2017 ("Accurate, Large Minibatch SGD: Training ImageNet in
-    1 Hour", arXiv:1706.02677, sec. 2.1): multiply the rate by b/256 when the batch grows from 256 to b, so that one
-    step of b images moves the parameters about as far as b/256 steps of 256 would, which holds while the gradient
-    changes little over those steps. Early in training it changes fast, hence their gradual warm-up (sec. 2.2):
-    start at --lr and add a constant each step to reach the scaled rate after --warmup-epochs epochs (they use 5).
-    `sqrt` multiplies by sqrt(b/256) instead, which keeps the covariance of the updates' noise the same (Hoffer
-    et al. 2017, "Train longer, generalize better", arXiv:1705.08741).
+    1 Hour", arXiv:1706.02677, sec. 2.1): when the batch grows from n (--lr-base-batch, the batch that --lr suits)
+    to b, multiply the rate by b/n, so that one step of b images moves the parameters about as far as b/n steps of
+    n would, which holds while the gradient changes little over those steps. Early in training it changes fast,
+    hence their gradual warm-up (sec. 2.2): start at --lr and add a constant each step to reach the scaled rate
+    after --warmup-epochs epochs (they use 5). `sqrt` multiplies by sqrt(b/n) instead, which keeps the covariance
+    of the updates' noise the same (Hoffer et al. 2017, "Train longer, generalize better", arXiv:1705.08741).
     """
-    scale = {"none": 1.0, "linear": args.batch_size / 256, "sqrt": math.sqrt(args.batch_size / 256)}[args.lr_scaling]
+    growth = args.batch_size / args.lr_base_batch
+    scale = {"none": 1.0, "linear": growth, "sqrt": math.sqrt(growth)}[args.lr_scaling]
     warmup_steps = args.warmup_epochs * steps_per_epoch
     if step >= warmup_steps:
         return args.lr * scale
@@ -504,7 +509,8 @@ class GraphedSteps:
 
 def recipe(args):
     """What a resumed run must share with the run that wrote the checkpoint (the process count may differ)."""
-    schedule = {"lr_scaling": args.lr_scaling, "warmup_epochs": args.warmup_epochs} if args.lr_scaling != "none" else {}
+    schedule = ({"lr_scaling": args.lr_scaling, "lr_base_batch": args.lr_base_batch,
+                 "warmup_epochs": args.warmup_epochs} if args.lr_scaling != "none" else {})
     return {"batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "limit_train": args.limit_train,
             **schedule}
 

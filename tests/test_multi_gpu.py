@@ -423,6 +423,8 @@ BAD_INPUT = {
     "warmup negative": (["--lr-scaling", "linear", "--warmup-epochs", -1], ["--warmup-epochs must be 0 or more"],
                         None),
     "warmup inf": (["--lr-scaling", "linear", "--warmup-epochs", "inf"], ["--warmup-epochs", "not a finite"], None),
+    "lr base batch 0": (["--lr-scaling", "linear", "--lr-base-batch", 0], ["--lr-base-batch must be positive"],
+                        None),
     "warmup without scaling": (["--warmup-epochs", 2], ["pass --lr-scaling linear or sqrt"], None),
     "lr scaling unknown": (["--lr-scaling", "cubic"], ["invalid choice: 'cubic'"], None),
     "resume without folder": (["--resume"], ["--resume needs --checkpoint-dir"], None),
@@ -617,7 +619,7 @@ def test_a_plot_that_cannot_be_written_keeps_the_old_one_and_the_result(tmp_path
 # --- Exercises 1 and 2: a batch per device, learning-rate scaling ---
 
 def test_learning_rate_schedule():
-    """--lr for a batch of 256, scaled to the global batch, reached by a linear warm-up (Goyal et al. 2017)."""
+    """--lr for a batch of --lr-base-batch, scaled to the global batch, reached by a linear warm-up."""
     def args(**flags_):
         return multi_gpu.Args(**{"batch_size": 1024, "lr": 0.1, **flags_})
 
@@ -628,6 +630,8 @@ def test_learning_rate_schedule():
     assert multi_gpu.learning_rate(args(lr_scaling="linear"), 0, 10) == pytest.approx(0.4)  # no warm-up
     assert multi_gpu.learning_rate(args(lr_scaling="sqrt"), 0, 10) == pytest.approx(0.2)
     assert multi_gpu.learning_rate(args(batch_size=128, lr_scaling="linear"), 0, 10) == pytest.approx(0.05)
+    from_64 = args(batch_size=256, lr_scaling="linear", lr_base_batch=64, warmup_epochs=1)  # 0.1 for 64 images
+    assert [multi_gpu.learning_rate(from_64, step, 10) for step in (0, 5, 10)] == pytest.approx([0.1, 0.25, 0.4])
 
 
 def test_batch_per_device_and_a_warmed_up_scaled_learning_rate_equal_one_process(tmp_path):
