@@ -7,20 +7,25 @@ run computes exactly what one process would on the same global batches. The grad
 `--allreduce`: `tutorial` (everyone sends to rank 0, which sums and sends back, as in the D2L chapter),
 `ring` (bandwidth-optimal ring: reduce-scatter then all-gather), `builtin` (torch.distributed.all_reduce)
 and `ddp` (DistributedDataParallel). Test accuracy is computed by all processes, each on its shard.
+`--batch-per-device` and `--lr-scaling` let the batch and the learning rate grow with the number of devices
+instead (the chapter's exercises 1 and 2).
 
     python multi_gpu.py --gpus 2                         # two GPUs, NCCL, one process each
     python multi_gpu.py --gpus 0 --procs 2               # two CPU processes, gloo (default without GPUs)
-    torchrun --standalone --nproc_per_node 2 multi_gpu.py --gpus 0
-    # two nodes, two GPUs each (run on both, with NODE_RANK 0 and 1; MASTER_ADDR = node 0's address):
-    torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 2 --master_addr $MASTER_ADDR \
-        --master_port 29400 multi_gpu.py --gpus 2
+    torchrun --standalone --nproc-per-node 2 multi_gpu.py --gpus 0
+    # a failed process restarts the group (up to 3 times), which resumes from the last epoch's checkpoint:
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 multi_gpu.py --gpus 0 --checkpoint-dir ckpt --resume
+    # two nodes, two GPUs each (on both machines; NODE_RANK 0 and 1, MASTER_ADDR = node 0's address):
+    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 2 --master-addr $MASTER_ADDR --master-port 29400 \\
+        multi_gpu.py --gpus 2
 
 A CPU run (`--gpus 0 --procs 2`, the tutorial's recipe, 10 epochs) took 3 min on a 2-core machine and ended
 with (the tutorial reports test acc 0.84 after 10 epochs):
 
     epoch 10 | loss 0.403 | train acc 0.849 | test acc 0.836 | 14.80 s/epoch | 4.1k samples/s
-    {"script": "multi_gpu", "allreduce": "ring", "world_size": 2, "device": "cpu", "epochs": 10, "loss": 0.403,
-     "train_acc": 0.849, "test_acc": 0.8357, "s_per_epoch": 15.64, "samples_per_s": 3836.2, "history": [...]}
+    {"script": "multi_gpu", "allreduce": "ring", "world_size": 2, "device": "cpu", "batch_size": 256, "lr": 0.2,
+     "epochs": 10, "loss": 0.403, "train_acc": 0.849, "test_acc": 0.8357, "s_per_epoch": 15.64,
+     "samples_per_s": 3836.2, "history": [...]}
 """
 
 import dataclasses
