@@ -17,6 +17,7 @@ and one JSON line; writes the figure (--figure).
 
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,10 @@ class Args:
     """epochs per run"""
     seeds: str = "0,1"
     """comma-separated seeds: each configuration runs once per seed"""
+    threads: int = 1
+    """torch threads per process, set through the CPUs the run may use (results do not depend on it; on a machine
+    shared with other work, more than one thread per process can make a run many times slower); 0: as many as
+    multi_gpu.py picks"""
     data_dir: Optional[str] = None
     """--data-dir of multi_gpu.py"""
     figure: str = str(REPO / "docs" / "figures" / "multi_gpu_exercises.png")
@@ -56,8 +61,12 @@ def run(args, procs, lr, seed, extra=()):
                "--batch-per-device", str(args.batch_per_device), "--lr", repr(lr), "--seed", str(seed),
                "--limit-train", str(args.limit_train), "--epochs", str(args.epochs), *extra]
     command += ["--data-dir", args.data_dir] if args.data_dir else []
+    cpus = sorted(os.sched_getaffinity(0))
+    # common.launch gives each of the k processes (usable CPUs // k) threads, at least one
+    allowed = cpus[:max(1, procs * args.threads)] if args.threads else cpus
     started = time.monotonic()
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=REPO,
+                          preexec_fn=lambda: os.sched_setaffinity(0, allowed))
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
