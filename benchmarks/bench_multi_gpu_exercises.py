@@ -1,6 +1,6 @@
 """D2L 13.5's exercises 1 and 2 on CPU processes: test accuracy against the process count k and the learning rate.
 
-    python benchmarks/bench_multi_gpu_exercises.py --data-dir ../shared/data      # about 20 min on 2 quiet cores
+    python benchmarks/bench_multi_gpu_exercises.py --data-dir ../shared/data      # 38 runs of about 30 s each
 
 Exercise 1 (with k devices, scale the minibatch from b to k*b) and exercise 2 (how does the best learning rate
 scale with k?). Every run is `multi_gpu.py --gpus 0 --procs k --batch-per-device B`: k CPU processes stand in for k
@@ -12,7 +12,8 @@ tutorial's own way of using k devices (a global batch of B split k ways) compute
 check that the parameters are equal), so the k=1 row stands for it.
 
 Prints one line per run, then a table (mean test accuracy over the seeds, with min and max), the best rate per k,
-and one JSON line; writes the figure (--figure).
+and one JSON line; writes the figure (--figure). On a 2-core VM under other load (load average 10-14) the 38 runs took
+40 min; a run takes about 30 s on the quiet machine.
 """
 
 import dataclasses
