@@ -7,24 +7,33 @@ run computes exactly what one process would on the same global batches. The grad
 `--allreduce`: `tutorial` (everyone sends to rank 0, which sums and sends back, as in the D2L chapter),
 `ring` (bandwidth-optimal ring: reduce-scatter then all-gather), `builtin` (torch.distributed.all_reduce)
 and `ddp` (DistributedDataParallel). Test accuracy is computed by all processes, each on its shard.
+`--batch-per-device` and `--lr-scaling` let the batch and the learning rate grow with the number of devices
+instead (the chapter's exercises 1 and 2).
 
     python multi_gpu.py --gpus 2                         # two GPUs, NCCL, one process each
     python multi_gpu.py --gpus 0 --procs 2               # two CPU processes, gloo (default without GPUs)
-    torchrun --standalone --nproc_per_node 2 multi_gpu.py --gpus 0
-    # two nodes, two GPUs each (run on both, with NODE_RANK 0 and 1; MASTER_ADDR = node 0's address):
-    torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 2 --master_addr $MASTER_ADDR \
-        --master_port 29400 multi_gpu.py --gpus 2
+    torchrun --standalone --nproc-per-node 2 multi_gpu.py --gpus 0
+    # a failed process restarts the group (up to 3 times), which resumes from the last epoch's checkpoint:
+    torchrun --standalone --nproc-per-node 2 --max-restarts 3 multi_gpu.py --gpus 0 --checkpoint-dir ckpt --resume
+    # two nodes, two GPUs each (on both machines; NODE_RANK 0 and 1, MASTER_ADDR = node 0's address):
+    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 2 --master-addr $MASTER_ADDR --master-port 29400 \\
+        multi_gpu.py --gpus 2
 
 A CPU run (`--gpus 0 --procs 2`, the tutorial's recipe, 10 epochs) took 3 min on a 2-core machine and ended
 with (the tutorial reports test acc 0.84 after 10 epochs):
 
     epoch 10 | loss 0.403 | train acc 0.849 | test acc 0.836 | 14.80 s/epoch | 4.1k samples/s
-    {"script": "multi_gpu", "allreduce": "ring", "world_size": 2, "device": "cpu", "epochs": 10, "loss": 0.403,
-     "train_acc": 0.849, "test_acc": 0.8357, "s_per_epoch": 15.64, "samples_per_s": 3836.2, "history": [...]}
+    {"script": "multi_gpu", "allreduce": "ring", "world_size": 2, "device": "cpu", "batch_size": 256, "lr": 0.2,
+     "epochs": 10, "loss": 0.403, "train_acc": 0.849, "test_acc": 0.8357, "s_per_epoch": 15.64,
+     "samples_per_s": 3836.2, "history": [...]}
 """
 
 import dataclasses
+import datetime
+import io
 import math
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Literal, Optional
@@ -36,6 +45,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from common import (
+    RunFailed,
     check,
     check_output_dir,
     check_output_file,
@@ -56,6 +66,7 @@ from common import (
     run_main,
     save_checkpoint,
     set_tf32,
+    write_atomic,
 )
 
 
@@ -66,10 +77,19 @@ class Args:
     on this machine, 0 if there is none"""
     procs: int = 2
     """number of CPU processes when --gpus is 0"""
-    batch_size: int = 256
-    """global minibatch size, split evenly across the processes"""
+    batch_size: Optional[int] = None
+    """global minibatch size, split evenly across the processes: 256 (the tutorial's) unless --batch-per-device"""
+    batch_per_device: Optional[int] = None
+    """minibatch size of each process instead: the global batch grows with the k processes to k*B (exercise 1)"""
     lr: float = 0.2
-    """SGD learning rate"""
+    """SGD learning rate (with --lr-scaling: the rate for a global batch of --lr-base-batch)"""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """scale --lr to the global batch b: by b/--lr-base-batch (Goyal et al. 2017) or its square root (Hoffer et al.
+    2017)"""
+    lr_base_batch: int = 256
+    """the global batch that --lr is meant for when --lr-scaling scales it (256: the tutorial's)"""
+    warmup_epochs: float = 0.0
+    """with --lr-scaling, ramp the learning rate from --lr up to the scaled rate over this many epochs"""
     epochs: int = 10
     """number of passes over the training set"""
     allreduce: Literal["tutorial", "ring", "builtin", "ddp"] = "ring"
@@ -98,7 +118,7 @@ class Args:
 
 def validate(args):
     """The rules of the flags, checked before any work starts: each broken rule is one line and exit status 2.
-    Fills in --gpus when it was not given."""
+    Fills in --gpus and --batch-size when they were not given."""
     gpus_here = cuda_device_count()
     if launched_by_torchrun():  # one process per GPU, and torchrun decided how many run on this machine
         local = local_process_count(1)
@@ -115,11 +135,23 @@ def validate(args):
                                   f"pass --gpus {gpus_here}" + (" to train on CPU processes" if not gpus_here else ""))
     check(args.procs >= 1, f"--procs must be at least 1, not {args.procs}")
     check(args.lr > 0, f"--lr must be positive, not {args.lr}")
+    check(args.lr_base_batch > 0, f"--lr-base-batch must be positive, not {args.lr_base_batch}")
+    check(args.warmup_epochs >= 0, f"--warmup-epochs must be 0 or more, not {args.warmup_epochs}")
+    check(not args.warmup_epochs or args.lr_scaling != "none",
+          "--warmup-epochs ramps --lr up to the scaled rate: pass --lr-scaling linear or sqrt too")
     check(args.epochs > 0, f"--epochs must be positive, not {args.epochs}")
     check(args.timeout > 0, f"--timeout must be positive, not {args.timeout}")
     check(args.limit_train is None or args.limit_train > 0, f"--limit-train must be positive, not {args.limit_train}")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     processes = process_count(args.gpus or args.procs)
+    check(args.batch_size is None or args.batch_per_device is None,
+          "--batch-size (global) and --batch-per-device exclude each other; pass one of them")
+    check(args.batch_per_device is None or args.batch_per_device > 0,
+          f"--batch-per-device must be positive, not {args.batch_per_device}")
+    if args.batch_per_device is not None:
+        args.batch_size = args.batch_per_device * processes
+    elif args.batch_size is None:
+        args.batch_size = 256
     check(args.batch_size >= processes,
           f"--batch-size {args.batch_size} is smaller than the {processes} processes; every process needs a shard")
     if args.plot:
@@ -324,13 +356,12 @@ def train_epoch(model, step, data, args, epoch, rank, world_size):
     train_x = data[0]
     # Every rank draws the same permutation, so all agree on the global batches without communicating.
     order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-    order = order.to(train_x.device)
+    batches = order.to(train_x.device).split(args.batch_size)
     totals = torch.zeros(2, device=train_x.device)
-    for start in range(0, len(train_x), args.batch_size):
-        batch = order[start:start + args.batch_size]
+    for i, batch in enumerate(batches):
         totals += step(batch.tensor_split(world_size)[rank], len(batch))  # forward, loss, backward
         model.sum_gradients()
-        model.update(args.lr)
+        model.update(learning_rate(args, epoch * len(batches) + i, len(batches)))  # --lr unless --lr-scaling
     return totals
 
 
@@ -350,7 +381,7 @@ def run_worker(info, args, data):
     device = pick_device(args.gpus > 0, local_gpu_index(info.local_rank))
     if device.type == "cuda":
         set_tf32(args.tf32)
-    init_process_group(info, "nccl" if device.type == "cuda" else "gloo", args.timeout,
+    join_process_group(info, "nccl" if device.type == "cuda" else "gloo", args.timeout,
                        device_id=device if device.type == "cuda" else None)
     data = to_device(data, args.limit_train, device)
 
@@ -388,6 +419,32 @@ def main():
     validate(args)
     data = load_fashion_mnist(fashion_mnist_dir(args.data_dir))  # downloaded once and verified, before any worker
     launch(run_worker, process_count(args.gpus or args.procs), args, data, timeout=args.timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: larger batches for more devices (the chapter's exercises 1 and 2)
+# ---------------------------------------------------------------------------------------------------------
+
+def learning_rate(args, step, steps_per_epoch):
+    """The learning rate of the run's step `step` (counted from its first epoch): --lr, unless --lr-scaling.
+
+    With k devices the tutorial keeps the global batch at 256, so each device gets 256/k images and computes less as
+    k grows; --batch-per-device B keeps each device's batch instead, and the global batch grows to kB. A larger batch
+    takes fewer steps per epoch, each with a less noisy gradient, and so wants a larger learning rate.
+    `linear` is the linear scaling rule of Goyal et al. 2017 ("Accurate, Large Minibatch SGD: Training ImageNet in
+    1 Hour", arXiv:1706.02677, sec. 2.1): when the batch grows from n (--lr-base-batch, the batch that --lr suits)
+    to b, multiply the rate by b/n, so that one step of b images moves the parameters about as far as b/n steps of
+    n would, which holds while the gradient changes little over those steps. Early in training it changes fast,
+    hence their gradual warm-up (sec. 2.2): start at --lr and add a constant each step to reach the scaled rate
+    after --warmup-epochs epochs (they use 5). `sqrt` multiplies by sqrt(b/n) instead, which keeps the covariance
+    of the updates' noise the same (Hoffer et al. 2017, "Train longer, generalize better", arXiv:1705.08741).
+    """
+    growth = args.batch_size / args.lr_base_batch
+    scale = {"none": 1.0, "linear": growth, "sqrt": math.sqrt(growth)}[args.lr_scaling]
+    warmup_steps = args.warmup_epochs * steps_per_epoch
+    if step >= warmup_steps:
+        return args.lr * scale
+    return args.lr + (args.lr * scale - args.lr) * step / warmup_steps
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -457,7 +514,10 @@ class GraphedSteps:
 
 def recipe(args):
     """What a resumed run must share with the run that wrote the checkpoint (the process count may differ)."""
-    return {"batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "limit_train": args.limit_train}
+    schedule = ({"lr_scaling": args.lr_scaling, "lr_base_batch": args.lr_base_batch,
+                 "warmup_epochs": args.warmup_epochs} if args.lr_scaling != "none" else {})
+    return {"batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "limit_train": args.limit_train,
+            **schedule}
 
 
 def checkpoint_path(args):
@@ -489,19 +549,78 @@ def write_checkpoint(args, flat_params, history):
                         "--checkpoint-dir")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: restarts under torchrun (--max-restarts)
+# ---------------------------------------------------------------------------------------------------------
+
+def join_process_group(info, backend, timeout_s, device_id):
+    """common.init_process_group, except where torchrun's workers share its agent's store: there each round of
+    workers (the first start and every restart) keeps its keys in a namespace of its own (see round_store)."""
+    if not (launched_by_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        init_process_group(info, backend, timeout_s, device_id=device_id)
+        return
+    dist.init_process_group(backend, store=round_store(info, timeout_s), rank=info.rank, world_size=info.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
+
+
+def round_store(info, timeout_s):
+    """A namespace of torchrun's store that no earlier round of workers has written to.
+
+    torchrun's agent hosts one TCPStore for the whole job and the workers of every round use it
+    (TORCHELASTIC_USE_AGENT_STORE=True). torch's env:// rendezvous puts no per-round prefix on their keys
+    (torch/distributed/rendezvous.py, _create_c10d_store, counts on a new server per restart; but
+    elastic/rendezvous/dynamic_rendezvous.py creates it in the first round only, and the static rendezvous keeps its
+    one store too). So after a restart, the keys in which gloo's ranks published their addresses (NCCL: its unique
+    id) still hold the dead round's values, and a rank that reads a peer's key before the peer has rewritten it
+    connects to a closed port: "Gloo connectFullMesh failed ... Connection refused", and the restarted round fails
+    as well. TORCHELASTIC_RESTART_COUNT cannot name the round: each node's agent counts its own restarts, and one
+    that restarts because another node rejoined does not count it.
+
+    So every key a rank waits for here is named by a random value drawn in this round, which no dead round can
+    have written: each rank posts a fresh challenge; rank 0 draws the round's token and answers every challenge it
+    sees (a dead round's too, harmlessly) until all ranks have counted themselves in under the token. The process
+    group then keeps its keys under the token, in the agent's store, which outlives the workers.
+    """
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    if info.rank != 0:
+        challenge = secrets.token_hex(16)
+        shared.set(f"multi_gpu/challenge/{info.rank}", challenge)
+        token = shared.get(f"multi_gpu/answer/{challenge}").decode()  # waits for rank 0 of this round
+        shared.add(f"multi_gpu/{token}/joined", 1)
+        return dist.PrefixStore(f"multi_gpu/{token}/", shared)
+    token = secrets.token_hex(16)
+    challenges = [f"multi_gpu/challenge/{rank}" for rank in range(1, info.world_size)]
+    shared.wait(challenges)  # this round's or a dead round's
+    answered, deadline = set(), time.monotonic() + timeout_s
+    while shared.add(f"multi_gpu/{token}/joined", 0) < info.world_size - 1:
+        unanswered = [challenge for challenge in shared.multi_get(challenges) if challenge not in answered]
+        if unanswered:
+            shared.multi_set([f"multi_gpu/answer/{challenge.decode()}" for challenge in unanswered],
+                             [token] * len(unanswered))
+            answered.update(unanswered)
+        if time.monotonic() > deadline:
+            raise RunFailed(f"{info.world_size - 1 - shared.add(f'multi_gpu/{token}/joined', 0)} process(es) did not "
+                            f"join within --timeout {timeout_s:g} s; check that every node started")
+        time.sleep(0.05)
+    return dist.PrefixStore(f"multi_gpu/{token}/", shared)
+
+
 def report(args, history, world_size, device, n_train, resumed_after):
-    if args.plot:
-        plot_learning_curve(history, args.plot)
+    """The JSON line, then the plot: a plot that cannot be written loses neither the figures nor the checkpoint."""
     ran = history[resumed_after:] or history
     seconds = sorted(h["seconds"] for h in ran)[len(ran) // 2]  # median: the first epoch includes warm-up
     last = history[-1] if history else {}
     emit_result("multi_gpu", allreduce=args.allreduce, world_size=world_size, device=device.type,
-                epochs=len(history), loss=last.get("loss"), train_acc=last.get("train_acc"),
-                test_acc=last.get("test_acc"), s_per_epoch=seconds, samples_per_s=n_train / seconds,
-                history=history)
+                batch_size=args.batch_size, lr=learning_rate(args, math.inf, 1), epochs=len(history),
+                loss=last.get("loss"), train_acc=last.get("train_acc"), test_acc=last.get("test_acc"),
+                s_per_epoch=seconds, samples_per_s=n_train / seconds, history=history)
+    if args.plot:
+        plot_learning_curve(history, args.plot)
 
 
 def plot_learning_curve(history, path):
+    """Test accuracy and training loss per epoch as a PNG, written atomically: a failed write keeps the old file."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -517,8 +636,15 @@ def plot_learning_curve(history, path):
     acc_axis.set_ylim(0, 1)
     figure.legend(loc="center right")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
     plt.close(figure)
+    try:
+        write_atomic(path, png.getvalue())
+    except OSError as error:
+        raise RunFailed(f"cannot write {path} ({error.strerror or error}); free space on that disk, lift the "
+                        f"file-size limit or pass another --plot; the JSON result and the checkpoints are kept"
+                        ) from None
 
 
 if __name__ == "__main__":

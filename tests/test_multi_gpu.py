@@ -1,14 +1,17 @@
 """multi_gpu.py: every allreduce learns and equals one process; resume; torchrun; GPUs; failures end the run."""
 
+import gzip
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -195,6 +198,118 @@ def test_torchrun_launch_equals_one_process(one_process_short, tmp_path):
     torch.testing.assert_close(final_params(tmp_path), one_process_short["params"], rtol=1e-5, atol=1e-6)
 
 
+def torchrun(*arguments, recipe=(), env=None):
+    """Start `torchrun ARGUMENTS multi_gpu.py FLAGS` (stdout and stderr are text pipes)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *map(str, arguments), "multi_gpu.py",
+                             *flags(CPU, data_flags(), *recipe)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def kill_all(*processes, pids=()):
+    """SIGKILL the Popen objects, everything they started and the processes in `pids` (torchrun's workers outlive
+    an agent that is killed outright), so that a failing test leaves nothing running."""
+    doomed = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+    for proc in processes:
+        if proc.poll() is None:
+            doomed += psutil.Process(proc.pid).children(recursive=True)
+        proc.kill()
+    for process in doomed:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_loopback_equal_one_process(one_process_short, tmp_path):
+    """Two torchrun agents, one process each, meeting at 127.0.0.1 (the static rendezvous, as on two machines):
+    the parameters of one process; rank 0 alone writes the checkpoint."""
+    port = free_port()
+    nodes = [torchrun("--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1, "--master-addr", "127.0.0.1",
+                      "--master-port", port, recipe=[SHORT, {"checkpoint_dir": tmp_path / f"node{node}"}],
+                      env={"GLOO_SOCKET_IFNAME": "lo"})
+             for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        kill_all(*nodes)
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in outputs]
+    result = last_json(outputs[0][0])
+    assert result["world_size"] == 2 and "{" not in outputs[1][0]  # rank 0 alone reports
+    assert not (tmp_path / "node1").exists()
+    torch.testing.assert_close(final_params(tmp_path / "node0"), one_process_short["params"], rtol=1e-5, atol=1e-6)
+
+
+# Epochs of a second or two on 2 CPU processes: long enough to kill a worker in the middle of one.
+RESTARTS = {"batch_size": 64, "lr": 0.2, "limit_train": 4096, "epochs": 6, "seed": 1}
+
+
+def new_torchrun_workers(agent, seen, count=2, timeout=120):
+    """The `count` worker processes of a torchrun agent's current round, in local rank order, once none of them is
+    in `seen` (the pids of earlier rounds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert agent.poll() is None, agent.stderr.read()[-3000:]
+        try:
+            workers = [child for child in psutil.Process(agent.pid).children() if "multi_gpu.py" in child.cmdline()]
+            if len(workers) == count and not {worker.pid for worker in workers} & seen:
+                return sorted(workers, key=lambda worker: int(worker.environ()["LOCAL_RANK"]))
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no new round of {count} workers within {timeout} s")
+
+
+def checkpoint_epoch(path):
+    try:
+        return torch.load(path, weights_only=True)["epoch"]
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_checkpoint(path, epoch, agent, timeout=120):
+    deadline = time.monotonic() + timeout
+    while checkpoint_epoch(path) < epoch:
+        assert agent.poll() is None, agent.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint of epoch {epoch} within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_torchrun_restarts_after_killed_workers_and_ends_with_the_uninterrupted_parameters(tmp_path):
+    """torchrun --max-restarts 3 --checkpoint-dir D --resume: three times, a worker (rank 1, 0, 1 in turn) is killed
+    (SIGKILL) in the epoch after the one its round checkpointed first. Each time torchrun restarts both workers, which
+    resume from the last checkpoint; the run ends with the parameters and learning curve of an uninterrupted run.
+
+    Before round_store, a restarted round read the dead round's gloo addresses from torchrun's store, and most
+    restarts failed with "Gloo connectFullMesh failed ... Connection refused"."""
+    reference = multi_gpu_run(CPU, RESTARTS, procs=2, checkpoint_dir=tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr
+    checkpoint = tmp_path / "restarted" / "multi_gpu.pt"
+    agent = torchrun("--standalone", "--nproc-per-node", 2, "--max-restarts", 3, "--monitor-interval", 0.1,
+                     recipe=[RESTARTS, {"checkpoint_dir": checkpoint.parent, "resume": True}])
+    seen = set()
+    try:
+        for kill in range(3):
+            workers = new_torchrun_workers(agent, seen)
+            seen |= {worker.pid for worker in workers}
+            wait_for_checkpoint(checkpoint, checkpoint_epoch(checkpoint) + 1, agent)
+            workers[(kill + 1) % 2].send_signal(signal.SIGKILL)
+        stdout, stderr = agent.communicate(timeout=240)
+    finally:
+        kill_all(agent, pids=seen)
+    assert agent.returncode == 0, stderr[-3000:]
+    assert stdout.count("resuming after epoch") == 3, stdout
+    assert "connectFullMesh" not in stderr
+    resumed, uninterrupted = last_json(stdout), last_json(reference.stdout)
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in uninterrupted["history"]]
+    torch.testing.assert_close(final_params(checkpoint.parent), final_params(tmp_path / "reference"), rtol=0, atol=0)
+
+
 def torchrun_environment(local_rank, local_world_size):
     """What torchrun sets for a worker of a one-machine run (the worker itself is started by hand)."""
     return {"RANK": str(local_rank), "WORLD_SIZE": str(local_world_size), "LOCAL_RANK": str(local_rank),
@@ -244,6 +359,157 @@ def test_missing_data_offline_names_the_files_and_the_flag(tmp_path):
     assert_usage_error(proc, "train-images-idx3-ubyte.gz", "--data-dir FOLDER")
 
 
+# --- Bad input: one line, exit status 2, no traceback, nothing written ---
+
+def fashion_mnist_copy(folder, name=None, content=None):
+    """A data folder of links to the real Fashion-MNIST files, with `name` replaced by `content` (bytes, or a
+    folder when content is None)."""
+    source = common.fashion_mnist_dir(data_root())
+    folder.mkdir()
+    for file in common.FASHION_MNIST_FILES:
+        if file != name:
+            (folder / file).symlink_to(source / file)
+    if name:
+        (folder / name).write_bytes(content) if content is not None else (folder / name).mkdir()
+    return folder
+
+
+def real_data(name):
+    return (common.fashion_mnist_dir(data_root()) / name).read_bytes()
+
+
+def checkpoint_in(folder, script="multi_gpu", epochs=1, lr=0.2, damage=None, **state):
+    """A checkpoint of `epochs` epochs as multi_gpu.py writes it for --epochs 2 --batch-size 256 --lr LR (or as
+    `script` would: common.save_checkpoint), then damaged: 'truncated', 'contents' (a parameter changed after the
+    checksum was taken) or 'bytes' (bytes flipped in the middle of the file)."""
+    folder.mkdir(exist_ok=True)
+    path = folder / "multi_gpu.pt"
+    history = [{"epoch": e + 1, "loss": 1.0, "train_acc": 0.5, "test_acc": 0.5, "seconds": 1.0} for e in range(epochs)]
+    recipe = {"batch_size": 256, "lr": lr, "seed": 0, "limit_train": None}
+    common.save_checkpoint(path, script, state or {"epoch": epochs, "params": multi_gpu.init_params(0),
+                                                   "history": history, "recipe": recipe})
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    elif damage == "contents":
+        saved = torch.load(path, weights_only=True)
+        saved["params"][0] += 1
+        torch.save(saved, path)
+    elif damage == "bytes":
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(64)
+        path.write_bytes(bytes(raw))
+    return folder
+
+
+GZ = "train-images-idx3-ubyte.gz"
+ROOT = os.geteuid() == 0  # permission bits do not stop root
+# (flags, fragments of the one line, what to set up in tmp_path first)
+BAD_INPUT = {
+    "epochs 0": (["--epochs", 0], ["--epochs must be positive, not 0"], None),
+    "epochs negative": (["--epochs", -3], ["--epochs must be positive, not -3"], None),
+    "lr nan": (["--lr", "nan"], ["--lr", "'nan' is not a finite number"], None),
+    "lr inf": (["--lr", "inf"], ["--lr", "'inf' is not a finite number"], None),
+    "lr negative": (["--lr", -0.1], ["--lr must be positive, not -0.1"], None),
+    "timeout 0": (["--timeout", 0], ["--timeout must be positive"], None),
+    "timeout nan": (["--timeout", "nan"], ["--timeout", "not a finite number"], None),
+    "procs 0": (["--procs", 0], ["--procs must be at least 1, not 0"], None),
+    "gpus negative": (["--gpus", -1], ["--gpus must be 0 or more, not -1"], None),
+    "batch size 0": (["--batch-size", 0], ["--batch-size 0 is smaller than the 2 processes"], None),
+    "limit train 0": (["--limit-train", 0], ["--limit-train must be positive, not 0"], None),
+    "epochs not a number": (["--epochs", "ten"], ["--epochs", "invalid int value: 'ten'"], None),
+    "batch per device 0": (["--batch-per-device", 0], ["--batch-per-device must be positive, not 0"], None),
+    "batch per device and batch size": (["--batch-per-device", 64, "--batch-size", 128],
+                                        ["--batch-size (global) and --batch-per-device exclude each other"], None),
+    "warmup negative": (["--lr-scaling", "linear", "--warmup-epochs", -1], ["--warmup-epochs must be 0 or more"],
+                        None),
+    "warmup inf": (["--lr-scaling", "linear", "--warmup-epochs", "inf"], ["--warmup-epochs", "not a finite"], None),
+    "lr base batch 0": (["--lr-scaling", "linear", "--lr-base-batch", 0], ["--lr-base-batch must be positive"],
+                        None),
+    "warmup without scaling": (["--warmup-epochs", 2], ["pass --lr-scaling linear or sqrt"], None),
+    "lr scaling unknown": (["--lr-scaling", "cubic"], ["invalid choice: 'cubic'"], None),
+    "resume without folder": (["--resume"], ["--resume needs --checkpoint-dir"], None),
+    "data dir is a file": (["--data-dir", "{tmp}/file"], ["--data-dir", "is not a folder"],
+                           lambda tmp: (tmp / "file").write_text("x")),
+    "data file is a folder": (["--data-dir", "{tmp}/data"], [f"{GZ} is a folder, not the data file"],
+                              lambda tmp: fashion_mnist_copy(tmp / "data", GZ)),
+    "data file not gzip": (["--data-dir", "{tmp}/data"], [GZ, "is unreadable or not gzip data", "--data-dir"],
+                           lambda tmp: fashion_mnist_copy(tmp / "data", GZ, b"not gzip data")),
+    "data file truncated": (["--data-dir", "{tmp}/data"], [GZ, "is unreadable or not gzip data"],
+                            lambda tmp: fashion_mnist_copy(tmp / "data", GZ, real_data(GZ)[:5000])),
+    "data file corrupt": (["--data-dir", "{tmp}/data"], [GZ, "is corrupt (md5 mismatch)"],
+                          lambda tmp: fashion_mnist_copy(tmp / "data", GZ, gzip.compress(bytes(1000)))),
+    "plot is a folder": (["--plot", "{tmp}"], ["--plot", "is a folder; pass a file name"], None),
+    "plot in a missing folder": (["--plot", "{tmp}/missing/curve.png"], ["--plot", "does not exist; create it"],
+                                 None),
+    "checkpoint dir is a file": (["--checkpoint-dir", "{tmp}/file"], ["--checkpoint-dir", "is a file; pass a folder"],
+                                 lambda tmp: (tmp / "file").write_text("x")),
+    "checkpoint is a folder": (["--checkpoint-dir", "{tmp}"], ["multi_gpu.pt is a folder"],
+                               lambda tmp: (tmp / "multi_gpu.pt").mkdir()),
+    "checkpoint truncated": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["--resume", "not a readable checkpoint"],
+                             lambda tmp: checkpoint_in(tmp / "ck", damage="truncated")),
+    "checkpoint contents damaged": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["--resume", "damaged"],
+                                    lambda tmp: checkpoint_in(tmp / "ck", damage="contents")),
+    "checkpoint bytes damaged": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["--resume", "multi_gpu.pt"],
+                                 lambda tmp: checkpoint_in(tmp / "ck", damage="bytes")),
+    "checkpoint of rpc_rl": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["a checkpoint of rpc_rl.py, not of"],
+                             lambda tmp: checkpoint_in(tmp / "ck", script="rpc_rl", episode=3,
+                                                       policy={"w": torch.zeros(2)})),
+    "checkpoint of rpc_rnn": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["a checkpoint of rpc_rnn.py, not of"],
+                              lambda tmp: checkpoint_in(tmp / "ck", script="rpc_rnn", model={"w": torch.zeros(2)})),
+    "checkpoint not ours": (["--checkpoint-dir", "{tmp}", "--resume"], ["not a checkpoint written by multi_gpu.py"],
+                            lambda tmp: torch.save({"params": torch.zeros(3)}, tmp / "multi_gpu.pt")),
+    "checkpoint lacks keys": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["lacks params, history, recipe"],
+                              lambda tmp: checkpoint_in(tmp / "ck", epoch=1)),
+    "checkpoint of another recipe": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["was written with"],
+                                     lambda tmp: checkpoint_in(tmp / "ck", lr=0.1)),
+    "checkpoint of more epochs": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["holds 3 epochs, more than"],
+                                  lambda tmp: checkpoint_in(tmp / "ck", epochs=3)),
+    "checkpoint unreadable": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["--resume", "not a readable checkpoint"],
+                              lambda tmp: (checkpoint_in(tmp / "ck") / "multi_gpu.pt").chmod(0)),
+    "checkpoint dir read-only": (["--checkpoint-dir", "{tmp}/ro/ck"], ["--checkpoint-dir", "cannot write in"],
+                                 lambda tmp: (tmp / "ro").mkdir(mode=0o555)),
+}
+NEEDS_PERMISSIONS = {"checkpoint unreadable", "checkpoint dir read-only"}
+
+
+def tree(folder):
+    """Every path under folder with its size and modification time."""
+    return {path: (path.lstat().st_size, path.lstat().st_mtime_ns) for path in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, tmp_path, monkeypatch, capsys):
+    """main() in this process, as the launcher runs it: every case fails in validate or in the data check, before
+    any worker starts (launching fails the test) and before anything is written."""
+    if case in NEEDS_PERMISSIONS and ROOT:
+        pytest.skip("permission bits do not stop root")
+    arguments, fragments, setup = BAD_INPUT[case]
+    if setup:
+        setup(tmp_path)
+    arguments = [str(a).format(tmp=tmp_path) for a in arguments]
+    data = [] if "--data-dir" in arguments else flags(data_flags())
+    before = tree(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["multi_gpu.py", *flags(CPU, epochs=2), *data, *arguments])
+    monkeypatch.setattr(multi_gpu, "launch", lambda *_, **__: pytest.fail("launched despite bad input"))
+    with pytest.raises(SystemExit) as exited:
+        common.run_main(multi_gpu.main)
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    for fragment in fragments:
+        assert fragment in stderr, (fragment, stderr)
+    assert tree(tmp_path) == before
+
+
+def test_corrupt_data_is_one_line_from_the_launcher(tmp_path):
+    """The command line itself (not main() in-process): the data is checked before any worker starts."""
+    folder = fashion_mnist_copy(tmp_path / "data", "t10k-labels-idx1-ubyte.gz", b"garbage")
+    proc = run_script("multi_gpu.py", *flags(CPU, data_dir=folder), timeout=60)
+    assert_usage_error(proc, "t10k-labels-idx1-ubyte.gz is unreadable or not gzip data")
+
+
+# --- Faults during the run ---
+
 def start_long_run(**extra):
     return start_script("multi_gpu.py", *flags(CPU, data_flags(), procs=2, batch_size=64, limit_train=4096,
                                                epochs=100, **extra))
@@ -290,6 +556,98 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one
         assert_all_ended(workers, timeout=5)
     finally:
         proc.kill()
+
+
+def test_a_stopped_worker_ends_the_run_and_is_named(tmp_path):
+    """SIGSTOP on one worker: with --timeout 10 the launcher names it within timeout / 2 (plus a margin for a busy
+    machine), exit status 1, and kills every process, the stopped one included; the checkpoint of the last finished
+    epoch is kept."""
+    proc, workers = start_long_run(timeout=10, checkpoint_dir=tmp_path), []
+    try:
+        wait_for_line(proc, "epoch 1 |")
+        workers = spawned_workers(proc)
+        stopped_at = time.monotonic()
+        workers[1].send_signal(signal.SIGSTOP)
+        proc.wait(timeout=60)
+        assert time.monotonic() - stopped_at < 10 / 2 + 15
+        stderr = proc.stderr.read()
+        assert proc.returncode == 1, stderr
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+        assert f"process 1 (pid {workers[1].pid}) sent no sign of life" in stderr and "stopped" in stderr, stderr
+        assert_all_ended(workers, timeout=5)
+        assert common.load_checkpoint(tmp_path / "multi_gpu.pt", "multi_gpu", "--resume")["epoch"] >= 1
+    finally:
+        kill_all(proc, pids=[worker.pid for worker in workers])  # a stopped worker would outlive a failed test
+
+
+def test_a_killed_launcher_takes_every_worker_with_it():
+    """SIGKILL on `python multi_gpu.py` itself (it cannot clean up): every process it started ends within seconds."""
+    proc = start_long_run()
+    try:
+        wait_for_line(proc, "epoch 1 |")
+        started = psutil.Process(proc.pid).children(recursive=True)  # the workers and multiprocessing's helper
+        assert len(spawned_workers(proc)) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert_all_ended(started, timeout=10)
+    finally:
+        proc.kill()
+
+
+def test_a_plot_that_cannot_be_written_keeps_the_old_one_and_the_result(tmp_path):
+    """The disk fills up during the run (a 1 kB file-size limit on rank 0, which plots): the JSON line is printed,
+    the plot's old file is intact, no temporary file is left, and the run ends with one line naming --plot."""
+    import matplotlib.font_manager  # noqa: F401  (its font cache exists before the limit, as after any first run)
+
+    plot = tmp_path / "curve.png"
+    plot.write_bytes(b"the previous plot")
+    proc = start_script("multi_gpu.py", *flags(CPU, data_flags(), procs=2, batch_size=64, limit_train=4096, epochs=3,
+                                               plot=plot))
+    try:
+        wait_for_line(proc, "epoch 1 |")
+        resource.prlimit(spawned_workers(proc)[0].pid, resource.RLIMIT_FSIZE, (1000, 1000))
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert f"cannot write {plot}" in stderr and "pass another --plot" in stderr, stderr
+    assert last_json(stdout)["epochs"] == 3
+    assert plot.read_bytes() == b"the previous plot" and [p.name for p in tmp_path.iterdir()] == ["curve.png"]
+
+
+# --- Exercises 1 and 2: a batch per device, learning-rate scaling ---
+
+def test_learning_rate_schedule():
+    """--lr for a batch of --lr-base-batch, scaled to the global batch, reached by a linear warm-up."""
+    def args(**flags_):
+        return multi_gpu.Args(**{"batch_size": 1024, "lr": 0.1, **flags_})
+
+    assert [multi_gpu.learning_rate(args(), step, 10) for step in (0, 5, 1000)] == [0.1, 0.1, 0.1]
+    linear = args(lr_scaling="linear", warmup_epochs=2)  # 4x the batch: 0.4 after 20 steps
+    assert [multi_gpu.learning_rate(linear, step, 10) for step in (0, 10, 15, 20, 21, 1000)] == pytest.approx(
+        [0.1, 0.25, 0.325, 0.4, 0.4, 0.4])
+    assert multi_gpu.learning_rate(args(lr_scaling="linear"), 0, 10) == pytest.approx(0.4)  # no warm-up
+    assert multi_gpu.learning_rate(args(lr_scaling="sqrt"), 0, 10) == pytest.approx(0.2)
+    assert multi_gpu.learning_rate(args(batch_size=128, lr_scaling="linear"), 0, 10) == pytest.approx(0.05)
+    from_64 = args(batch_size=256, lr_scaling="linear", lr_base_batch=64, warmup_epochs=1)  # 0.1 for 64 images
+    assert [multi_gpu.learning_rate(from_64, step, 10) for step in (0, 5, 10)] == pytest.approx([0.1, 0.25, 0.4])
+
+
+def test_batch_per_device_and_a_warmed_up_scaled_learning_rate_equal_one_process(tmp_path):
+    """--batch-per-device 256 on 2 processes is the global batch of 512 that one process takes with --batch-size
+    512, and --lr-scaling linear --warmup-epochs 1 gives both the same rates (0.2 -> 0.4): the same parameters.
+    Third-layer ReLU units near zero make the two differ by up to 5e-6 here; leaving out the warm-up (4 of the 8
+    steps) changes the parameters by 2.9e-3."""
+    schedule = {"lr_scaling": "linear", "warmup_epochs": 1}
+    one = multi_gpu_run(CPU, SHORT, schedule, procs=1, batch_size=512, checkpoint_dir=tmp_path / "one")
+    two = multi_gpu_run(CPU, SHORT, schedule, procs=2, batch_size=None, batch_per_device=256,
+                        checkpoint_dir=tmp_path / "two")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    for result in (last_json(one.stdout), last_json(two.stdout)):
+        assert result["batch_size"] == 512 and result["lr"] == pytest.approx(0.4), result
+    assert (final_params(tmp_path / "one") - multi_gpu.init_params(5)).abs().max() > 1e-3
+    torch.testing.assert_close(final_params(tmp_path / "two"), final_params(tmp_path / "one"), rtol=0, atol=1e-4)
 
 
 def test_two_runs_at_once_both_succeed():
