@@ -29,11 +29,8 @@ with (the tutorial reports test acc 0.84 after 10 epochs):
 """
 
 import dataclasses
-import datetime
 import io
 import math
-import os
-import secrets
 import time
 from pathlib import Path
 from typing import Literal, Optional
@@ -381,7 +378,7 @@ def run_worker(info, args, data):
     device = pick_device(args.gpus > 0, local_gpu_index(info.local_rank))
     if device.type == "cuda":
         set_tf32(args.tf32)
-    join_process_group(info, "nccl" if device.type == "cuda" else "gloo", args.timeout,
+    init_process_group(info, "nccl" if device.type == "cuda" else "gloo", args.timeout,
                        device_id=device if device.type == "cuda" else None)
     data = to_device(data, args.limit_train, device)
 
@@ -547,63 +544,6 @@ def write_checkpoint(args, flat_params, history):
         save_checkpoint(checkpoint_path(args), "multi_gpu", {"epoch": len(history), "params": flat_params.cpu(),
                                                              "history": history, "recipe": recipe(args)},
                         "--checkpoint-dir")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: restarts under torchrun (--max-restarts)
-# ---------------------------------------------------------------------------------------------------------
-
-def join_process_group(info, backend, timeout_s, device_id):
-    """common.init_process_group, except where torchrun's workers share its agent's store: there each round of
-    workers (the first start and every restart) keeps its keys in a namespace of its own (see round_store)."""
-    if not (launched_by_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        init_process_group(info, backend, timeout_s, device_id=device_id)
-        return
-    dist.init_process_group(backend, store=round_store(info, timeout_s), rank=info.rank, world_size=info.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
-
-
-def round_store(info, timeout_s):
-    """A namespace of torchrun's store that no earlier round of workers has written to.
-
-    torchrun's agent hosts one TCPStore for the whole job and the workers of every round use it
-    (TORCHELASTIC_USE_AGENT_STORE=True). torch's env:// rendezvous puts no per-round prefix on their keys
-    (torch/distributed/rendezvous.py, _create_c10d_store, counts on a new server per restart; but
-    elastic/rendezvous/dynamic_rendezvous.py creates it in the first round only, and the static rendezvous keeps its
-    one store too). So after a restart, the keys in which gloo's ranks published their addresses (NCCL: its unique
-    id) still hold the dead round's values, and a rank that reads a peer's key before the peer has rewritten it
-    connects to a closed port: "Gloo connectFullMesh failed ... Connection refused", and the restarted round fails
-    as well. TORCHELASTIC_RESTART_COUNT cannot name the round: each node's agent counts its own restarts, and one
-    that restarts because another node rejoined does not count it.
-
-    So every key a rank waits for here is named by a random value drawn in this round, which no dead round can
-    have written: each rank posts a fresh challenge; rank 0 draws the round's token and answers every challenge it
-    sees (a dead round's too, harmlessly) until all ranks have counted themselves in under the token. The process
-    group then keeps its keys under the token, in the agent's store, which outlives the workers.
-    """
-    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           timeout=datetime.timedelta(seconds=timeout_s))
-    if info.rank != 0:
-        challenge = secrets.token_hex(16)
-        shared.set(f"multi_gpu/challenge/{info.rank}", challenge)
-        token = shared.get(f"multi_gpu/answer/{challenge}").decode()  # waits for rank 0 of this round
-        shared.add(f"multi_gpu/{token}/joined", 1)
-        return dist.PrefixStore(f"multi_gpu/{token}/", shared)
-    token = secrets.token_hex(16)
-    challenges = [f"multi_gpu/challenge/{rank}" for rank in range(1, info.world_size)]
-    shared.wait(challenges)  # this round's or a dead round's
-    answered, deadline = set(), time.monotonic() + timeout_s
-    while shared.add(f"multi_gpu/{token}/joined", 0) < info.world_size - 1:
-        unanswered = [challenge for challenge in shared.multi_get(challenges) if challenge not in answered]
-        if unanswered:
-            shared.multi_set([f"multi_gpu/answer/{challenge.decode()}" for challenge in unanswered],
-                             [token] * len(unanswered))
-            answered.update(unanswered)
-        if time.monotonic() > deadline:
-            raise RunFailed(f"{info.world_size - 1 - shared.add(f'multi_gpu/{token}/joined', 0)} process(es) did not "
-                            f"join within --timeout {timeout_s:g} s; check that every node started")
-        time.sleep(0.05)
-    return dist.PrefixStore(f"multi_gpu/{token}/", shared)
 
 
 def report(args, history, world_size, device, n_train, resumed_after):
