@@ -6,8 +6,9 @@ Launching. `launch(worker, n, *args)` runs `worker(info, *args)` in n processes 
 have finished. Started with `python script.py`, it spawns the n processes itself on this machine: they meet
 through a file in a private temporary folder (no port to pick, so two runs cannot collide) and every socket
 they open listens on the loopback interface only. Started by `torchrun`, which sets RANK, WORLD_SIZE and
-LOCAL_RANK, it runs this process's worker directly and meets the others at MASTER_ADDR:MASTER_PORT, so the
-same script runs on several nodes. If any process fails, the whole run ends with a non-zero exit status.
+LOCAL_RANK, it runs this process's worker directly (then ends the process) and meets the others at
+MASTER_ADDR:MASTER_PORT, so the same script runs on several nodes. If any process fails, the whole run ends
+with a non-zero exit status.
 """
 
 import argparse
@@ -259,6 +260,17 @@ def _spawned_worker(local_rank, worker, world_size, init_method, launcher_pid, b
         sys.exit(1)
     finally:
         finished.set()
+    leave_at_once()
+
+
+def leave_at_once():
+    """End a worker process that has finished its work (its results written, its groups shut down) with status 0,
+    without the interpreter's teardown. That teardown destroys torch's C++ objects in no set order (a gloo group
+    that DistributedDataParallel still references, RPC agents, CUDA contexts): it takes seconds per process and
+    can abort one ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _reported(run_dir):
@@ -315,7 +327,7 @@ def launch(worker, world_size, *args, timeout=60.0):
     timeout / 2 seconds (before the backends' own timeouts fire in its peers and blame nobody in particular), or is
     silent for 1.5 x timeout, ends the run: the others are killed, the silent one included, and one line names the
     culprit. A UsageError or RunFailed in a process is its one line and exit status, as in the launcher. Under
-    torchrun, torchrun watches the processes.
+    torchrun, torchrun watches the processes. A worker process that succeeds ends through leave_at_once.
     """
     if launched_by_torchrun():
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -323,7 +335,7 @@ def launch(worker, world_size, *args, timeout=60.0):
         info = DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]),
                         local_world_size, "env://")
         worker(info, *args)
-        return
+        leave_at_once()
     loopback = _loopback_interface()
     if loopback:  # gloo, NCCL's bootstrap and TensorPipe would otherwise listen on the host's public address
         for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):

@@ -213,7 +213,7 @@ def test_a_stopped_process_ends_the_run_named_within_the_timeout(sleeping_run):
     stopped_at = time.monotonic()
     workers[1].send_signal(signal.SIGSTOP)
     proc.wait(timeout=30)
-    assert 3 <= time.monotonic() - stopped_at < 6 + 5  # silent for timeout / 2 = 3 s, plus a margin
+    assert 3 - common.HEARTBEAT_S <= time.monotonic() - stopped_at < 6 + 5  # silent 3 s since its last heartbeat
     assert proc.returncode == 1
     assert re.fullmatch(rf"error: process 1 \(pid {workers[1].pid}\) sent no sign of life for [3-9] s \(stopped\); "
                         r"the other processes were stopped", proc.stderr.read().strip())

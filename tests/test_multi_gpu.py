@@ -256,10 +256,11 @@ def new_torchrun_workers(agent, seen, count=2, timeout=120):
     while time.monotonic() < deadline:
         assert agent.poll() is None, agent.stderr.read()[-3000:]
         try:
-            workers = [child for child in psutil.Process(agent.pid).children() if "multi_gpu.py" in child.cmdline()]
+            workers = [child for child in psutil.Process(agent.pid).children()
+                       if "multi_gpu.py" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE]
             if len(workers) == count and not {worker.pid for worker in workers} & seen:
                 return sorted(workers, key=lambda worker: int(worker.environ()["LOCAL_RANK"]))
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, KeyError):  # gone, or forked by the agent but not yet the worker (no LOCAL_RANK)
             pass
         time.sleep(0.05)
     raise AssertionError(f"no new round of {count} workers within {timeout} s")
@@ -285,7 +286,7 @@ def test_torchrun_restarts_after_killed_workers_and_ends_with_the_uninterrupted_
     (SIGKILL) in the epoch after the one its round checkpointed first. Each time torchrun restarts both workers, which
     resume from the last checkpoint; the run ends with the parameters and learning curve of an uninterrupted run.
 
-    Before round_store, a restarted round read the dead round's gloo addresses from torchrun's store, and most
+    Before common.round_store, a restarted round read the dead round's gloo addresses from torchrun's store, and most
     restarts failed with "Gloo connectFullMesh failed ... Connection refused"."""
     reference = multi_gpu_run(CPU, RESTARTS, procs=2, checkpoint_dir=tmp_path / "reference")
     assert reference.returncode == 0, reference.stderr
