@@ -12,7 +12,7 @@ comes back instead of the logits), gradients are clipped on their global norm ov
 
 Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/valid/test.txt from DIR instead):
     python rpc_rnn.py                                     # CPU, 2 processes, the classic recipe (40 epochs)
-    python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64      # 4 to 10 minutes on 2 cores
+    python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64      # about 2 minutes on 2 cores
     python rpc_rnn.py --cuda --epochs 6 --save lm.pt      # embedding + decoder on a GPU, LSTM on another (or the same)
     python rpc_rnn.py --generate 100 --load lm.pt         # sample 100 words in this process, no RPC
     python rpc_rnn.py --check-gradients --dropout 0 --clip 0.05 --emsize 32 --nhid 32    # distributed == 1 process
@@ -23,10 +23,10 @@ Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/vali
     torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 1 --master-addr $MASTER_ADDR --master-port 29400 \\
         rpc_rnn.py
 
-Last lines of `python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64` (4 min 22 s on a 2-core CPU
-shared with other work, two thirds of it evaluating the full valid and test sets with the 33k-word decoder):
-    epoch 1 | batch 200/200 | lr 20.00 | 396.9 ms/batch | loss 7.66 | ppl 2123.8 | 1.8k tokens/s
-    epoch 1 | valid loss 7.27 | valid ppl 1439.7 | 79.4 s/epoch
+Last lines of `python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64` (1 min 49 s on 2 CPU cores,
+more than half of it evaluating the full valid and test sets with the 33k-word decoder):
+    epoch 1 | batch 200/200 | lr 20.00 | 226.7 ms/batch | loss 7.66 | ppl 2123.8 | 3.1k tokens/s
+    epoch 1 | valid loss 7.27 | valid ppl 1439.7 | 45.4 s/epoch
     test loss 7.20 | test ppl 1339.1
     {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": 9.83, ...}
 """

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -148,3 +149,45 @@ def assert_usage_error(proc, *fragments):
     assert "Traceback" not in proc.stderr
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
+
+
+# --- torchrun, ports, leftovers ---
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, from this interpreter
+
+
+def torchrun_command(*args):
+    """`torchrun ARGS` as a command line (numbers and paths as strings)."""
+    return [*TORCHRUN, *map(str, args)]
+
+
+def free_port():
+    """A TCP port on loopback that nothing listens on now (for torchrun's --master-port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def kill_all(*processes, pids=()):
+    """SIGKILL the Popen objects, everything they started and the processes in `pids` (torchrun's workers outlive
+    an agent that is killed outright), so that a failing test leaves nothing running."""
+    doomed = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+    for proc in processes:
+        if proc.poll() is None:
+            try:
+                doomed += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        proc.kill()
+    for process in doomed:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for proc in processes:
+        proc.wait(timeout=10)
+
+
+def tree(folder):
+    """Every path under folder with its size and modification time: what a run wrote there shows as a difference."""
+    return {path: (path.lstat().st_size, path.lstat().st_mtime_ns) for path in Path(folder).rglob("*")}

@@ -24,7 +24,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import OFFLINE, REPO, assert_all_ended, assert_usage_error, data_root, last_json, needs_gpus, start_script
+from conftest import (
+    OFFLINE,
+    REPO,
+    assert_all_ended,
+    assert_usage_error,
+    data_root,
+    last_json,
+    needs_gpus,
+    start_script,
+    tree,
+)
 
 TRIAL_FLAG = "--st_config_json_filename"
 
@@ -246,10 +256,6 @@ def bad_input_folder(folder, data):
     (folder / "unreadable").mkdir(mode=0)
     (folder / "read-only").mkdir(mode=0o500)
 
-
-def tree(folder):
-    """Every path under folder with its size: what a run wrote there shows as a difference."""
-    return {str(path.relative_to(folder)): path.lstat().st_size for path in folder.rglob("*")}
 
 
 @pytest.mark.parametrize("what, args, fragments", BAD_INPUT, ids=[case[0] for case in BAD_INPUT])

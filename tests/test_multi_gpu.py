@@ -4,7 +4,6 @@ import gzip
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,12 +23,16 @@ from conftest import (
     assert_usage_error,
     data_root,
     flags,
+    free_port,
     gpu_count,
+    kill_all,
     last_json,
     needs_gpus,
     run_script,
     spawned_workers,
     start_script,
+    torchrun_command,
+    tree,
     wait_for_line,
 )
 
@@ -200,30 +203,11 @@ def test_torchrun_launch_equals_one_process(one_process_short, tmp_path):
 
 def torchrun(*arguments, recipe=(), env=None):
     """Start `torchrun ARGUMENTS multi_gpu.py FLAGS` (stdout and stderr are text pipes)."""
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *map(str, arguments), "multi_gpu.py",
-                             *flags(CPU, data_flags(), *recipe)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    command = torchrun_command(*arguments, "multi_gpu.py", *flags(CPU, data_flags(), *recipe))
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
 
 
-def kill_all(*processes, pids=()):
-    """SIGKILL the Popen objects, everything they started and the processes in `pids` (torchrun's workers outlive
-    an agent that is killed outright), so that a failing test leaves nothing running."""
-    doomed = [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
-    for proc in processes:
-        if proc.poll() is None:
-            doomed += psutil.Process(proc.pid).children(recursive=True)
-        proc.kill()
-    for process in doomed:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_two_torchrun_nodes_on_loopback_equal_one_process(one_process_short, tmp_path):
@@ -472,10 +456,6 @@ BAD_INPUT = {
 }
 NEEDS_PERMISSIONS = {"checkpoint unreadable", "checkpoint dir read-only"}
 
-
-def tree(folder):
-    """Every path under folder with its size and modification time."""
-    return {path: (path.lstat().st_size, path.lstat().st_mtime_ns) for path in folder.rglob("*")}
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)

@@ -7,7 +7,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,10 +22,14 @@ import rpc_rl
 from conftest import (
     REPO,
     assert_all_ended,
+    free_port,
+    kill_all,
     last_json,
     needs_gpus,
     spawned_workers,
     start_script,
+    torchrun_command,
+    tree,
     wait_for_line,
 )
 
@@ -239,9 +242,6 @@ def test_a_killed_launcher_leaves_nothing():
         proc.communicate()
 
 
-def torchrun(*args):
-    return [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
-
 
 # TensorPipe and gloo on loopback (torchrun's defaults otherwise: a restarted round meets in torchrun's shared
 # store under keys of its own, see common.round_store)
@@ -253,9 +253,9 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     checkpoint: torchrun starts the processes again, the agent resumes from the last checkpoint, and the run ends
     with, episode for episode, the rewards, running reward and greedy evaluation of a run that never stopped."""
     checkpoint = tmp_path / "rpc_rl.pt"
-    proc = subprocess.Popen(torchrun("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "rpc_rl.py",
-                                     "--seed", 2, "--max-episodes", 40, "--eval-episodes", 3, "--log-interval", 1,
-                                     "--checkpoint-dir", tmp_path, "--checkpoint-interval", 5, "--resume"),
+    proc = subprocess.Popen(torchrun_command("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "rpc_rl.py",
+                                             "--seed", 2, "--max-episodes", 40, "--eval-episodes", 3, "--log-interval",
+                                             1, "--checkpoint-dir", tmp_path, "--checkpoint-interval", 5, "--resume"),
                             cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_line(proc, "episode 5 |", timeout=100)
@@ -268,11 +268,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
         max(workers, key=lambda worker: worker.pid).send_signal(signal.SIGKILL)  # rank 1, started last
         out, err = proc.communicate(timeout=150)
     finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-            proc.communicate()
+        kill_all(proc)
     assert proc.returncode == 0, err[-3000:]
     resumed = re.search(r"resuming after episode (\d+) from", out)
     assert resumed and 5 <= int(resumed.group(1)) < 40, out[-3000:]
@@ -285,27 +281,21 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     assert common.load_checkpoint(checkpoint, "rpc_rl", "--resume")["updates"] == 40  # the last one, at the end
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def test_two_torchrun_nodes_on_loopback_give_the_rewards_of_the_spawned_run():
     """`torchrun --nnodes 2`, one process per node (the agent on node 0, an observer on node 1), as two machines
     would run it: the episode rewards of the spawned run with the same seed (SEED_2, which the spawned runs above
     give). Both "nodes" share this machine's CPUs, so --no-pin-cpus (pinning binds local rank 0 to the first)."""
     port = free_port()
-    nodes = [subprocess.Popen(torchrun("--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1, "--master-addr",
-                                       "127.0.0.1", "--master-port", port, "rpc_rl.py", "--max-episodes", 10,
-                                       "--seed", 2, "--no-pin-cpus"),
+    nodes = [subprocess.Popen(torchrun_command("--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1,
+                                               "--master-addr", "127.0.0.1", "--master-port", port, "rpc_rl.py",
+                                               "--max-episodes", 10, "--seed", 2, "--no-pin-cpus"),
                               cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (1, 0)]
     try:
         outputs = [node.communicate(timeout=120) for node in nodes]
     finally:
-        for node in nodes:
-            node.kill()
+        kill_all(*nodes)
     for node, (_, err) in zip(nodes, outputs):
         assert node.returncode == 0, err[-3000:]
     assert outputs[0][0] == ""  # node 1 holds an observer, which prints nothing
@@ -417,9 +407,6 @@ BAD_INVOCATIONS = [
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ]
 
-
-def tree(folder):
-    return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in sorted(folder.rglob("*"))}
 
 
 @pytest.mark.parametrize("argv, message", BAD_INVOCATIONS)

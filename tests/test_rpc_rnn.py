@@ -10,7 +10,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,11 +27,14 @@ from conftest import (
     assert_usage_error,
     data_root,
     first_visible_gpu,
+    free_port,
+    kill_all,
     last_json,
     needs_gpus,
     run_script,
     spawned_workers,
     start_script,
+    torchrun_command,
     wait_for_line,
 )
 
@@ -232,44 +234,20 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one
 
 # --- torchrun: two nodes, and a group restarted after its trainer is killed ---
 
-def torchrun(*args):
-    return [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
 
-
-def kill_tree(proc):
-    """Kill a torchrun agent that is still running, and its workers (which do not die with a killed agent)."""
-    if proc.poll() is not None:
-        return
-    try:
-        processes = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:
-        return
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=10)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_torchrun_nodes_compute_the_losses_of_the_spawned_run(trained, text_dir):
     port = free_port()
-    nodes = [subprocess.Popen(torchrun("--nnodes", 2, "--node-rank", rank, "--nproc-per-node", 1, "--master-addr",
-                                       "127.0.0.1", "--master-port", port, "rpc_rnn.py", "--data-dir", text_dir,
-                                       *TRAIN),
+    nodes = [subprocess.Popen(torchrun_command("--nnodes", 2, "--node-rank", rank, "--nproc-per-node", 1,
+                                               "--master-addr", "127.0.0.1", "--master-port", port, "rpc_rnn.py",
+                                               "--data-dir", text_dir, *TRAIN),
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]
     try:
         outputs = [node.communicate(timeout=180) for node in nodes]
     finally:
-        for node in nodes:
-            kill_tree(node)
+        kill_all(*nodes)
     assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
     assert outputs[0][0] == ""  # node 0 is the ps: it says nothing
     result = last_json(outputs[1][0])
@@ -291,9 +269,9 @@ def trainer_of(agent):
 def test_torchrun_restarts_after_killed_trainers_end_with_the_uninterrupted_losses(trained, text_dir, tmp_path):
     """torchrun --max-restarts: the trainer is killed twice mid-run; each time the group restarts, resumes from
     the last checkpoint (taken every 5 batches) and the run ends with the losses of the uninterrupted one."""
-    agent = subprocess.Popen(torchrun("--standalone", "--nproc-per-node", 2, "--max-restarts", 3, "--monitor-interval",
-                                      0.1, "rpc_rnn.py", "--data-dir", text_dir, *TRAIN, "--checkpoint-dir", tmp_path,
-                                      "--checkpoint-interval", 5, "--resume"),
+    agent = subprocess.Popen(torchrun_command("--standalone", "--nproc-per-node", 2, "--max-restarts", 3,
+                                              "--monitor-interval", 0.1, "rpc_rnn.py", "--data-dir", text_dir, *TRAIN,
+                                              "--checkpoint-dir", tmp_path, "--checkpoint-interval", 5, "--resume"),
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_line(agent, "epoch 1 | batch 10/20", timeout=120)
@@ -304,7 +282,7 @@ def test_torchrun_restarts_after_killed_trainers_end_with_the_uninterrupted_loss
         second_resume = wait_for_line(agent, "resuming at", timeout=120)
         rest, stderr = agent.communicate(timeout=180)
     finally:
-        kill_tree(agent)
+        kill_all(agent)
     assert agent.returncode == 0, stderr[-3000:]
     # Each restarted group resumed from a checkpoint: progress was kept, not started again.
     first, second = ([int(n) for n in re.findall(r"\d+", line.split(" from ")[0])] for line in (first_resume,
