@@ -266,8 +266,8 @@ def _spawned_worker(local_rank, worker, world_size, init_method, launcher_pid, b
 def leave_at_once():
     """End a worker process that has finished its work (its results written, its groups shut down) with status 0,
     without the interpreter's teardown. That teardown destroys torch's C++ objects in no set order (a gloo group
-    that DistributedDataParallel still references, RPC agents, CUDA contexts): it takes seconds per process and
-    can abort one ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
+    that DistributedDataParallel still references, RPC agents, CUDA contexts), and it can abort a process
+    ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -518,18 +518,23 @@ def write_atomic(path, data):
 
 
 def save_atomic(obj, path, flag=None):
-    """torch.save through write_atomic. A write that fails (disk full, a file-size limit, a folder that became
-    read-only) keeps the previous file and raises RunFailed saying what to do (`flag` names the option that
-    chose the path)."""
+    """torch.save through write_or_fail."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
+    write_or_fail(path, buffer.getvalue(), flag)
+
+
+def write_or_fail(path, data, flag=None, kept="the previous file, if any, is intact"):
+    """write_atomic, creating the folder. A write that fails (disk full, a file-size limit, a folder that became
+    read-only) keeps the previous file and raises RunFailed saying what to do (`flag` names the option that chose
+    the path) and what is kept."""
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, buffer.getvalue())
+        write_atomic(path, data)
     except OSError as error:
         where = f"pass another {flag}" if flag else "write it elsewhere"
         raise RunFailed(f"cannot write {path} ({error.strerror or error}); free space on that disk, lift the "
-                        f"file-size limit or {where}; the previous file, if any, is intact") from None
+                        f"file-size limit or {where}; {kept}") from None
 
 
 def content_digest(value):

@@ -42,7 +42,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from common import (
-    RunFailed,
     check,
     check_output_dir,
     check_output_file,
@@ -63,7 +62,7 @@ from common import (
     run_main,
     save_checkpoint,
     set_tf32,
-    write_atomic,
+    write_or_fail,
 )
 
 
@@ -579,12 +578,7 @@ def plot_learning_curve(history, path):
     png = io.BytesIO()
     figure.savefig(png, format="png", dpi=100)
     plt.close(figure)
-    try:
-        write_atomic(path, png.getvalue())
-    except OSError as error:
-        raise RunFailed(f"cannot write {path} ({error.strerror or error}); free space on that disk, lift the "
-                        f"file-size limit or pass another --plot; the JSON result and the checkpoints are kept"
-                        ) from None
+    write_or_fail(path, png.getvalue(), "--plot", kept="the JSON result and the checkpoints are kept")
 
 
 if __name__ == "__main__":

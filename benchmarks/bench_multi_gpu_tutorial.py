@@ -25,7 +25,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from common import check, cuda_device_count, emit_result, fashion_mnist_dir, load_fashion_mnist, parse_args, run_main  # noqa: E402
+from common import (  # noqa: E402
+    check,
+    cuda_device_count,
+    emit_result,
+    fashion_mnist_dir,
+    load_fashion_mnist,
+    parse_args,
+    run_main,
+)
 from multi_gpu import init_params, lenet, unflatten  # noqa: E402
 
 

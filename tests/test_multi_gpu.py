@@ -512,7 +512,7 @@ def test_killed_worker_ends_the_run_and_leaves_no_orphans_and_sockets_are_loopba
         assert "terminated with signal SIGKILL" in proc.stderr.read()
         assert_all_ended(workers, timeout=1)
     finally:
-        proc.kill()
+        kill_all(proc)
 
 
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one(tmp_path):
@@ -536,7 +536,7 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one
         assert saved["epoch"] >= 1 and [p.name for p in checkpoint_dir.iterdir()] == ["multi_gpu.pt"]
         assert_all_ended(workers, timeout=5)
     finally:
-        proc.kill()
+        kill_all(proc)
 
 
 def test_a_stopped_worker_ends_the_run_and_is_named(tmp_path):
@@ -572,7 +572,7 @@ def test_a_killed_launcher_takes_every_worker_with_it():
         proc.wait(timeout=10)
         assert_all_ended(started, timeout=10)
     finally:
-        proc.kill()
+        kill_all(proc)
 
 
 def test_a_plot_that_cannot_be_written_keeps_the_old_one_and_the_result(tmp_path):
@@ -589,7 +589,7 @@ def test_a_plot_that_cannot_be_written_keeps_the_old_one_and_the_result(tmp_path
         resource.prlimit(spawned_workers(proc)[0].pid, resource.RLIMIT_FSIZE, (1000, 1000))
         stdout, stderr = proc.communicate(timeout=120)
     finally:
-        proc.kill()
+        kill_all(proc)
     assert proc.returncode == 1, stderr
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
     assert f"cannot write {plot}" in stderr and "pass another --plot" in stderr, stderr

@@ -173,9 +173,7 @@ def test_killed_observer_ends_the_run_without_orphans_and_every_socket_is_on_loo
         assert "error: process 2 terminated with signal SIGKILL; the other processes were stopped" in err, err
         assert_all_ended(processes, timeout=5)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_all(proc)
 
 
 def test_the_numpy_forward_the_agent_acts_with_equals_the_policy_it_learns_with():
@@ -238,7 +236,7 @@ def test_a_killed_launcher_leaves_nothing():
         proc.wait(timeout=10)
         assert_all_ended(processes, timeout=10)
     finally:
-        proc.kill()
+        kill_all(proc)
         proc.communicate()
 
 
@@ -452,9 +450,7 @@ def test_a_stopped_observer_is_named_and_every_process_ends():
                             r"the other processes were stopped", err.strip().splitlines()[-1]), err
         assert_all_ended(workers, timeout=5)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_all(proc)
 
 
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line_and_keeps_the_previous_one(tmp_path):
@@ -477,9 +473,7 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line_and_keeps_
         assert f"cannot write {checkpoint}" in err and "free space" in err and "--checkpoint-dir" in err, err
         assert_all_ended(workers, timeout=5)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_all(proc)
     saved = common.load_checkpoint(checkpoint, "rpc_rl", "--resume", keys=rpc_rl.CHECKPOINT_KEYS)
     assert saved["updates"] >= 1 and [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
 

@@ -158,9 +158,7 @@ def test_ps_death_ends_the_run(text_dir):
                 or ("process 1 failed" in stderr and "RPC" in stderr)), stderr[-2000:]
         assert_all_ended(everyone, timeout=10)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        kill_all(launcher)
 
 
 def test_a_stopped_ps_is_named_and_the_run_ends(text_dir):
@@ -180,9 +178,7 @@ def test_a_stopped_ps_is_named_and_the_run_ends(text_dir):
                             r"the other processes were stopped", stderr.strip()), stderr
         assert_all_ended(workers, timeout=5)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        kill_all(launcher)
 
 
 def test_a_killed_launcher_leaves_nothing(text_dir):
@@ -195,9 +191,7 @@ def test_a_killed_launcher_leaves_nothing(text_dir):
         launcher.wait(timeout=10)
         assert_all_ended(workers, timeout=10)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        kill_all(launcher)
 
 
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one(text_dir, tmp_path):
@@ -227,9 +221,7 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one
         assert [path.name for path in checkpoint_dir.iterdir()] == ["rpc_rnn.pt"]  # no temporary file left
         assert_all_ended(workers, timeout=5)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        kill_all(launcher)
 
 
 # --- torchrun: two nodes, and a group restarted after its trainer is killed ---
