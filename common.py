@@ -1,52 +1,46 @@
-"""Plumbing shared by the four scripts: command line, launching, rendezvous, seeding, devices, data, results.
+"""Plumbing shared by the four scripts: flags and the rules their values follow, launching, rendezvous, seeding,
+devices, data, files and results.
 
 Nothing here knows about a model or an algorithm; copy this file next to the script you take.
-
-Launching. `launch(worker, n, *args)` runs `worker(info, *args)` in n processes and returns when all of them
-have finished. Started with `python script.py`, it spawns the n processes itself on this machine: they meet
-through a file in a private temporary folder (no port to pick, so two runs cannot collide) and every socket
-they open listens on the loopback interface only. Started by `torchrun`, which sets RANK, WORLD_SIZE and
-LOCAL_RANK, it runs this process's worker directly (then ends the process) and meets the others at
-MASTER_ADDR:MASTER_PORT, so the same script runs on several nodes. If any process fails, the whole run ends
-with a non-zero exit status.
 """
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import datetime
+import functools
 import gzip
 import hashlib
 import inspect
 import io
 import json
-import math
 import multiprocessing.connection
 import os
-import random
-import secrets
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
-import textwrap
-import threading
 import time
 import traceback
 import typing
 import urllib.parse
 import urllib.request
 import warnings
+import zipfile
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line
+# The command line: flags from a dataclass, and one rule for each kind of value
 # ---------------------------------------------------------------------------------------------------------
 
 class UsageError(Exception):
@@ -55,59 +49,162 @@ class UsageError(Exception):
 
 
 class RunFailed(Exception):
-    """A failure during the run that the user can act on (a full disk, a folder that became read-only): one line
-    that says what to do, exit status 1."""
+    """A failure during the run that the user can act on (a full disk): one line saying what to do, exit status 1."""
     status = 1
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+def check(condition, message):
+    """Raise UsageError(message) unless condition holds: one line per flag rule, read top to bottom."""
+    if not condition:
+        raise UsageError(message)
 
 
-def _field_docs(cls):
-    """The string literal under each field of a dataclass: `x: int = 1` followed by `\"\"\"help\"\"\"`."""
-    docs = {}
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    for node, following in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
+def _number(cast, low, high, what):
+    """Numbers of type `cast` from low to high: so every one is finite, and every whole one fits torch's int64."""
+    def parse(flag, text):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        check(value is not None and low <= value <= high, f"{flag} {text}: not {what}")
+        return value
+    return parse
+
+
+def _text(flag, text):
+    check(text != "", f"{flag} '': an empty value; pass one, or leave the flag out")
+    return text
+
+
+def _stat(flag, path):
+    """os.stat(path), or None when nothing is there; any other refusal of the file system is one line."""
+    try:
+        return os.stat(_text(flag, path))
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # a name too long, a loop of links, a folder that cannot be searched, ...
+        raise UsageError(f"{flag} {path}: {error.strerror}; pass another path") from None
+
+
+def input_file(flag, path):
+    """A file the run reads: there, a regular file, readable."""
+    found = _stat(flag, path)
+    check(found and stat.S_ISREG(found.st_mode), f"{flag} {path}: no such file" if not found else
+          f"{flag} {path}: not a regular file; pass a file")
+    check(os.access(path, os.R_OK), f"{flag} {path}: cannot be read; fix its permissions or pass another file")
+    return path
+
+
+def output_file(flag, path):
+    """A file the run writes by renaming a new file over it: nothing yet or a regular file (never a device or a
+    FIFO, which the rename would replace), in an existing folder the run may write in."""
+    found, folder = _stat(flag, path), _stat(flag, str(Path(path).parent))
+    check(not found or stat.S_ISREG(found.st_mode), f"{flag} {path}: not a regular file; pass a file name")
+    check(folder and stat.S_ISDIR(folder.st_mode), f"{flag} {path}: folder {Path(path).parent} does not exist")
+    check(os.access(Path(path).parent, os.W_OK | os.X_OK) and (not found or os.access(path, os.W_OK)),
+          f"{flag} {path}: cannot be written; fix its permissions or pass another path")
+    return path
+
+
+FIGURE_FORMATS = (".png", ".pdf", ".svg")  # what save_figure writes
+
+
+def figure_file(flag, path):
+    check(Path(path).suffix.lower() in FIGURE_FORMATS, f"{flag} {path}: name a {', '.join(FIGURE_FORMATS)} file")
+    return output_file(flag, path)
+
+
+def output_dir(flag, path):
+    """A folder the run writes into, created with its parents if missing: the nearest folder up the path that
+    exists must be one the run may write in."""
+    folder = Path(os.path.abspath(_text(flag, path)))
+    while not (found := _stat(flag, str(folder))):
+        folder = folder.parent
+    check(stat.S_ISDIR(found.st_mode), f"{flag} {path}: {folder} is not a folder; pass a folder")
+    check(os.access(folder, os.W_OK | os.X_OK), f"{flag} {path}: cannot write in {folder}; pass another folder")
+    return path
+
+
+def data_folder(flag, path):
+    """A folder the data are read from, or downloaded into (fetch_dataset) when it is not there yet."""
+    found = _stat(flag, path)
+    check(not found or stat.S_ISDIR(found.st_mode) and os.access(path, os.R_OK | os.X_OK),
+          f"{flag} {path}: not a folder this run can read; pass the folder holding the data")
+    return path if found else output_dir(flag, path)
+
+
+# The kinds of flag values, Annotated with their placeholder in --help and parse(flag, text), which returns the
+# value or raises UsageError as the command line is parsed: `seed: Seed = 1` gives `--seed SEED` and its rule.
+INT64, FLOAT_MAX = 2**63 - 1, sys.float_info.max
+Positive = Annotated[int, "N", _number(int, 1, INT64, "a whole number, 1 or more")]
+NonNegative = Annotated[int, "N", _number(int, 0, INT64, "a whole number, 0 or more")]
+Seed = Annotated[int, "SEED", _number(int, 0, 2**32 - 1, "a seed from 0 to 2**32 - 1 (numpy's range)")]
+PositiveFloat = Annotated[float, "X", _number(float, 5e-324, FLOAT_MAX, "a positive number")]
+Seconds = Annotated[float, "SECONDS", _number(float, 5e-324, FLOAT_MAX, "a positive number of seconds")]
+InFile = Annotated[str, "FILE", input_file]
+OutFile = Annotated[str, "FILE", output_file]
+FigureFile = Annotated[str, "FILE", figure_file]
+OutDir = Annotated[str, "DIR", output_dir]
+DataDir = Annotated[str, "DIR", data_folder]
+PLAIN = {int: Annotated[int, "N", _number(int, -INT64 - 1, INT64, "a whole number that fits in 64 bits")],
+         float: Annotated[float, "X", _number(float, -FLOAT_MAX, FLOAT_MAX, "a finite number")],
+         str: Annotated[str, "TEXT", _text]}
+
+
+def _fields_in_source(args_cls):
+    """{field: its docstring} and {first field of a group: the group's title}: the string under each field, and
+    the comment lines of the class body, each of which starts a group of flags in --help."""
+    source = inspect.getsource(args_cls)
+    body, lines = ast.parse(source).body[0].body, source.splitlines()
+    docs = {node.target.id: " ".join(following.value.value.split()) for node, following in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)}
+    groups, start = {}, 0
+    for node in (node for node in body if isinstance(node, ast.AnnAssign)):
+        comments = [line.strip(" #") for line in lines[start:node.lineno - 1] if line.strip().startswith("#")]
+        groups.update({node.target.id: comments[-1]} if comments else {})
+        start = node.lineno
+    return docs, groups
 
 
 def parse_args(args_cls, argv=None):
-    """Build an argparse parser from a dataclass (field docstrings become --help) and parse argv into it.
+    """Parse the command line into args_cls, a dataclass with one field per flag.
 
-    `bool` fields get --flag/--no-flag, `Literal[...]` fields get choices, `Optional[T]` fields default to None,
-    `float` fields refuse nan and inf.
+    Each field's docstring is its --help, and each comment line in the class body starts a group of flags. A
+    `bool` field gives --flag/--no-flag, `Literal[...]` its choices, `Optional[T]` a flag that is off (None)
+    unless given. Every value passes its kind's rule as it is parsed: numbers are finite and fit int64, text is
+    not empty, and the kinds above add theirs (a Seed within numpy's range, an OutFile in an existing folder).
     """
-    module_doc = sys.modules[args_cls.__module__].__doc__ or ""
-    parser = _OneLineParser(description=module_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    docs = _field_docs(args_cls)
-    hints = typing.get_type_hints(args_cls)
+    parser = argparse.ArgumentParser(description=sys.modules[args_cls.__module__].__doc__, formatter_class=(
+        lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=HELP_WIDTH, max_help_position=30)))
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+    (docs, groups), group = _fields_in_source(args_cls), parser
+    hints = typing.get_type_hints(args_cls, include_extras=True)
     for field in dataclasses.fields(args_cls):
-        flag = "--" + field.name.replace("_", "-")
-        kind = hints[field.name]
-        if typing.get_origin(kind) is typing.Union:  # Optional[T]
-            kind = next(t for t in typing.get_args(kind) if t is not type(None))
-        help_text = docs.get(field.name, "") + " (default: %(default)s)"
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
-        elif typing.get_origin(kind) is typing.Literal:
-            choices = typing.get_args(kind)
-            parser.add_argument(flag, choices=choices, type=type(choices[0]), default=field.default, help=help_text)
+        hint, flag = hints[field.name], "--" + field.name.replace("_", "-")
+        if typing.get_origin(hint) is typing.Union:  # Optional[T]
+            hint = typing.get_args(hint)[0]
+        group = parser.add_argument_group(groups[field.name]) if field.name in groups else group
+        options = dict(default=field.default, help=docs.get(field.name, "").replace("%", "%%")
+                       + ("" if field.default is None else " (default: %(default)s)"))
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+        elif typing.get_origin(hint) is typing.Literal:
+            group.add_argument(flag, choices=typing.get_args(hint), **options)
         else:
-            parser.add_argument(flag, type=_finite_float if kind is float else kind, default=field.default,
-                                help=help_text)
+            _, metavar, parse = typing.get_args(PLAIN.get(hint, hint))
+            group.add_argument(flag, type=functools.partial(parse, flag), metavar=metavar, **options)
     return args_cls(**vars(parser.parse_args(argv)))
 
 
-def _finite_float(text):
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
+HELP_WIDTH = 120  # the width of the docstrings: --help wraps the flags' texts as wide as its description
+
+
+def check_processes(flag, count, oversubscribe):
+    """At most 4 processes per CPU of this machine unless --oversubscribe: a typo must not start thousands."""
+    limit = 4 * usable_cpus()
+    check(count <= limit or oversubscribe, f"{flag} {count}: more than {limit} processes, 4 per CPU of this "
+                                           f"machine; pass a smaller number, or --oversubscribe to start them anyway")
 
 
 def run_main(main):
@@ -119,44 +216,38 @@ def run_main(main):
         sys.exit(error.status)
 
 
-def check(condition, message):
-    """Raise UsageError(message) unless condition holds: one line per flag rule, read top to bottom."""
-    if not condition:
-        raise UsageError(message)
-
-
-def check_input_file(flag, path):
-    """A file the run will read must exist, be a regular file and be readable."""
-    path = Path(path)
-    check(path.exists(), f"{flag} {path}: no such file")
-    check(path.is_file(), f"{flag} {path}: is a folder, not a file; pass a file")
-    check(os.access(path, os.R_OK), f"{flag} {path}: cannot be read; fix its permissions or pass another file")
-
-
-def check_output_file(flag, path):
-    """A file the run will write (a plot, a checkpoint) needs a writable, existing folder and must not be a
-    folder itself: said before any work starts, not after it."""
-    path = Path(path)
-    folder = path.resolve().parent
-    check(not path.is_dir(), f"{flag} {path}: is a folder; pass a file name")
-    check(folder.is_dir(), f"{flag} {path}: folder {folder} does not exist; create it first")
-    check(os.access(folder, os.W_OK | os.X_OK), f"{flag} {path}: cannot write in {folder}; pass another path")
-    check(not path.exists() or os.access(path, os.W_OK), f"{flag} {path}: cannot be overwritten; pass another path")
-
-
-def check_output_dir(flag, path):
-    """A folder the run will write into (created if missing) must not be a file, and it, or the nearest folder
-    above it that exists, must be writable."""
-    path = Path(path).resolve()
-    check(not path.exists() or path.is_dir(), f"{flag} {path}: is a file; pass a folder")
-    existing = next(folder for folder in (path, *path.parents) if folder.exists())
-    check(existing.is_dir(), f"{flag} {path}: {existing} is a file; pass another folder")
-    check(os.access(existing, os.W_OK | os.X_OK), f"{flag} {path}: cannot write in {existing}; pass another folder")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Launching and rendezvous
 # ---------------------------------------------------------------------------------------------------------
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
+
+
+def torchrun_env():
+    """torchrun's variables (numbers as ints) when a launcher set RANK, WORLD_SIZE, LOCAL_RANK or LOCAL_WORLD_SIZE,
+    else None. Some of them missing, or values that do not fit together, are a UsageError here, before any work:
+    torch would fail later with a long traceback, or wait for a process that never comes."""
+    env = {name: os.environ.get(name, "") for name in TORCHRUN_VARIABLES}
+    if not any(env[name] for name in TORCHRUN_VARIABLES[:4]):
+        return None
+    fix = f"start the script with torchrun, or set all of {', '.join(TORCHRUN_VARIABLES)}"
+    check(all(env.values()), f"{', '.join(name for name, value in env.items() if not value)} not set; {fix}")
+    numbers = [int(env[name]) if env[name].isdecimal() else -1 for name in TORCHRUN_VARIABLES[:5]]
+    rank, world_size, local_rank, local_world_size, port = numbers
+    check(0 <= rank < world_size < 2**31 and 0 <= local_rank < local_world_size <= world_size and 0 < port < 2**16,
+          f"{' '.join(f'{name}={env[name]}' for name in TORCHRUN_VARIABLES[:5])}: want ranks below their sizes and "
+          f"a port below 65536; {fix}")
+    try:
+        socket.getaddrinfo(env["MASTER_ADDR"], port)
+    except (OSError, UnicodeError) as error:
+        raise UsageError(f"MASTER_ADDR={env['MASTER_ADDR']}: {error}; give torchrun node 0's address") from None
+    return {**env, **dict(zip(TORCHRUN_VARIABLES, numbers))}
+
+
+def process_count(spawned):
+    """The number of processes of this run: torchrun's WORLD_SIZE under torchrun, else `spawned`."""
+    return (torchrun_env() or {"WORLD_SIZE": spawned})["WORLD_SIZE"]
+
 
 @dataclasses.dataclass(frozen=True)
 class DistInfo:
@@ -174,20 +265,9 @@ class DistInfo:
             return f"{self.init_method}.{name}"
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return self.init_method
-        try:
+        with contextlib.suppress(RuntimeError):  # registered by an earlier call in this process
             dist.register_rendezvous_handler(ROUND_SCHEME, _round_rendezvous)
-        except RuntimeError:  # registered by an earlier call in this process
-            pass
         return f"{ROUND_SCHEME}://?name={name}"
-
-
-def launched_by_torchrun():
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def process_count(spawned):
-    """The number of processes of this run: torchrun's WORLD_SIZE under torchrun, else `spawned`."""
-    return int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else spawned
 
 
 def usable_cpus():
@@ -201,19 +281,11 @@ def pin_to_one_cpu(info):
     For RPC-bound runs: TensorPipe's shared-memory transport polls busily in a thread of every process, and
     unpinned, the pollers of all processes and their Python threads fight over the same cores.
     """
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
     if len(cpus) < info.local_world_size:
         return None
-    cpu = cpus[info.local_rank]
-    os.sched_setaffinity(0, {cpu})
-    return cpu
-
-
-def _loopback_interface():
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    return next((name for name in names if name.startswith("lo")), None)
+    os.sched_setaffinity(0, {cpus[info.local_rank]})
+    return cpus[info.local_rank]
 
 
 def die_with_parent(parent_pid):
@@ -227,26 +299,18 @@ def die_with_parent(parent_pid):
         raise SystemExit("the process that started this one is gone")
 
 
-HEARTBEAT_S = 1.0  # how often a spawned process tells the launcher it is alive
-STARTUP_S = 60.0  # allowed before a process's first heartbeat (imports, under load)
+def is_stopped(pid):
+    """Whether the process is stopped (SIGSTOP, Ctrl-Z, a debugger); False when it is gone."""
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    return False
 
 
-def _heartbeat(beats, index, finished):
-    """Stamp this process's slot in `beats` every HEARTBEAT_S seconds until `finished` is set. A process that is
-    stopped (SIGSTOP) or frozen stops stamping, which is how the launcher tells it is silent."""
-    beats[index] = time.monotonic()
-    while not finished.wait(HEARTBEAT_S):
-        beats[index] = time.monotonic()
-
-
-def _spawned_worker(local_rank, worker, world_size, init_method, launcher_pid, beats, run_dir, args):
+def _spawned_worker(local_rank, worker, world_size, init_method, launcher_pid, run_dir, args):
     die_with_parent(launcher_pid)
-    finished = threading.Event()
-    threading.Thread(target=_heartbeat, args=(beats, local_rank, finished), daemon=True).start()
     torch.set_num_threads(max(1, usable_cpus() // world_size))
-    info = DistInfo(local_rank, world_size, local_rank, world_size, init_method)
     try:
-        worker(info, *args)
+        worker(DistInfo(local_rank, world_size, local_rank, world_size, init_method), *args)
     except (UsageError, RunFailed) as error:  # its one line, said here; the launcher then adds nothing
         print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
         Path(run_dir, f"reported-{local_rank}").write_text(str(error.status))
@@ -258,8 +322,6 @@ def _spawned_worker(local_rank, worker, world_size, init_method, launcher_pid, b
             print(f"process {local_rank} failed:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
             Path(run_dir, f"reported-{local_rank}").write_text("1")
         sys.exit(1)
-    finally:
-        finished.set()
     leave_at_once()
 
 
@@ -279,94 +341,80 @@ def _reported(run_dir):
     return int(reports[0].read_text() or 1) if reports else None
 
 
-def _supervise(processes, beats, silent_after, run_dir):
-    """Wait until every process has ended. The first one that fails, or that sends no heartbeat for silent_after
-    seconds (stopped, or frozen), ends the run: returns (message, exit status), or None when all succeeded.
-    The message is empty when the process has said what went wrong itself."""
+def _supervise(processes, stopped_after, run_dir):
+    """Wait until every process has ended. The first one that fails, or that stays stopped (SIGSTOP, Ctrl-Z) for
+    stopped_after seconds, ends the run: returns (message, exit status), or None when all succeeded. The message
+    is empty when the process has said what went wrong itself."""
     running = {process.sentinel: rank for rank, process in enumerate(processes)}
-    started = time.monotonic()
+    stopped_since = {}
     while running:
-        ended = [running.pop(sentinel) for sentinel in multiprocessing.connection.wait(list(running), HEARTBEAT_S)]
+        ended = [running.pop(sentinel) for sentinel in multiprocessing.connection.wait(list(running), 0.5)]
         for rank in ended:
             processes[rank].join()
         # A process killed by a signal cannot say so itself, and its peers' errors are only the consequence.
-        for rank in ended:
-            if processes[rank].exitcode < 0:
-                return f"process {rank} terminated with signal {signal.Signals(-processes[rank].exitcode).name}", 1
-        for rank in ended:
+        for rank in sorted(ended, key=lambda rank: processes[rank].exitcode >= 0):
             code = processes[rank].exitcode
+            if code < 0:
+                return f"process {rank} terminated with signal {signal.Signals(-code).name}", 1
             if code:
                 reported = _reported(run_dir)
                 return ("", reported) if reported else (f"process {rank} failed with exit status {code}", code)
         now = time.monotonic()
         for rank in running.values():
-            last = beats[rank]
-            silent = now - max(last, started)
-            limit = silent_after + (STARTUP_S if last < started else 0.0)
-            # A stopped process is named at once; one that still runs but is silent may only be starved of CPU
-            # by other work on the machine, so it gets three times as long.
-            stopped = _process_state(processes[rank].pid) in ("T", "t")
-            if silent > limit and (stopped or silent > 3 * limit):
-                return (f"process {rank} (pid {processes[rank].pid}) sent no sign of life for {silent:.0f} s "
-                        f"({'stopped' if stopped else 'hung'})"), 1
+            since = stopped_since[rank] = stopped_since.get(rank, now) if is_stopped(processes[rank].pid) else now
+            if now - since > stopped_after:
+                return f"process {rank} (pid {processes[rank].pid}) has been stopped for {now - since:.0f} s", 1
     return None
-
-
-def _process_state(pid):
-    """The state letter Linux reports for a process (R running, S sleeping, T stopped, ...), or None."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def launch(worker, world_size, *args, timeout=60.0):
     """Run worker(info: DistInfo, *args) on world_size processes (or this one, under torchrun).
 
-    Spawned here, the processes are watched: a process that fails, or is stopped (SIGSTOP) and silent for
-    timeout / 2 seconds (before the backends' own timeouts fire in its peers and blame nobody in particular), or is
-    silent for 1.5 x timeout, ends the run: the others are killed, the silent one included, and one line names the
-    culprit. A UsageError or RunFailed in a process is its one line and exit status, as in the launcher. Under
-    torchrun, torchrun watches the processes. A worker process that succeeds ends through leave_at_once.
+    Spawned here, the processes are watched: a process that fails, or stays stopped (SIGSTOP) for timeout / 2
+    seconds (before the backends' own timeouts fire in its peers and blame nobody in particular), ends the run:
+    the others are killed, the stopped one included, and one line names the culprit. A UsageError or RunFailed in
+    a process is its one line and exit status, as in the launcher. Under torchrun, torchrun watches the processes,
+    and a process that lost a peer says so in one line before torchrun restarts the group or ends the run. A
+    worker process that succeeds ends through leave_at_once.
     """
-    if launched_by_torchrun():
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, usable_cpus() // local_world_size))
-        info = DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]),
-                        local_world_size, "env://")
-        worker(info, *args)
+    env = torchrun_env()
+    if env:
+        torch.set_num_threads(max(1, usable_cpus() // env["LOCAL_WORLD_SIZE"]))
+        info = DistInfo(env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], "env://")
+        try:
+            worker(info, *args)
+        except RuntimeError as error:  # gloo's, TensorPipe's and NCCL's errors when a peer is gone
+            if not (isinstance(error, dist.DistError) or "peer" in str(error)):
+                raise
+            sys.exit(f"process {info.rank} lost a peer ({str(error).strip().splitlines()[0][:200]}); torchrun "
+                     f"restarts the group if --max-restarts allows, else ends the run")
         leave_at_once()
-    loopback = _loopback_interface()
-    if loopback:  # gloo, NCCL's bootstrap and TensorPipe would otherwise listen on the host's public address
-        for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ.setdefault(variable, loopback)
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # else the host's address
+        os.environ.setdefault(variable, next((name for name in names if name.startswith("lo")), ""))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     context = mp.get_context("spawn")
-    beats = context.Array("d", world_size, lock=False)  # one heartbeat stamp per process, in shared memory
     run_dir = tempfile.mkdtemp(prefix="rendezvous-")  # private: the rendezvous file and the processes' reports
-    init_method = f"file://{run_dir}/store"
-    processes = [context.Process(target=_spawned_worker, name=f"rank {rank}",
-                                 args=(rank, worker, world_size, init_method, os.getpid(), beats, run_dir, args))
-                 for rank in range(world_size)]
+    processes = [context.Process(target=_spawned_worker, name=f"rank {rank}", args=(
+        rank, worker, world_size, f"file://{run_dir}/store", os.getpid(), run_dir, args))
+        for rank in range(world_size)]
     try:
         for process in processes:
             process.start()
-        failure = _supervise(processes, beats, timeout / 2, run_dir)
+        failure = _supervise(processes, timeout / 2, run_dir)
     except KeyboardInterrupt:
         failure = "interrupted", 130
     finally:
         for process in processes:
             if process.is_alive():
                 process.kill()  # SIGKILL: also ends a stopped process, which would never act on SIGTERM
-        for process in processes:
             if process.pid is not None:
                 process.join()
         shutil.rmtree(run_dir, ignore_errors=True)
     if failure:
-        message, status = failure
-        if message:
-            print(f"error: {message}; the other processes were stopped", file=sys.stderr, flush=True)
-        raise SystemExit(status)
+        if failure[0]:
+            print(f"error: {failure[0]}; the other processes were stopped", file=sys.stderr, flush=True)
+        raise SystemExit(failure[1])
 
 
 ROUND_SCHEME = "torchrun-round"
@@ -390,22 +438,19 @@ def round_store(name, rank, world_size, timeout_s):
     shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                            timeout=datetime.timedelta(seconds=timeout_s))
     if rank != 0:
-        challenge = secrets.token_hex(16)
+        challenge = os.urandom(16).hex()
         shared.set(f"{name}/challenge/{rank}", challenge)
         token = shared.get(f"{name}/answer/{challenge}").decode()  # waits for rank 0 of this round
         shared.add(f"{name}/{token}/joined", 1)
         return dist.PrefixStore(f"{name}/{token}/", shared)
-    token = secrets.token_hex(16)
+    token = os.urandom(16).hex()
     challenges = [f"{name}/challenge/{peer}" for peer in range(1, world_size)]
     if challenges:
         shared.wait(challenges)  # this round's, or a dead round's
-    answered, deadline = set(), time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s
     while shared.add(f"{name}/{token}/joined", 0) < world_size - 1:
-        unanswered = [challenge for challenge in shared.multi_get(challenges) if challenge not in answered]
-        if unanswered:
-            shared.multi_set([f"{name}/answer/{challenge.decode()}" for challenge in unanswered],
-                             [token] * len(unanswered))
-            answered.update(unanswered)
+        answers = [f"{name}/answer/{challenge.decode()}" for challenge in shared.multi_get(challenges)]
+        shared.multi_set(answers, [token] * len(answers))  # a dead round's challenge too, harmlessly
         if time.monotonic() > deadline:
             missing = world_size - 1 - shared.add(f"{name}/{token}/joined", 0)
             raise RunFailed(f"{missing} process(es) did not join within {timeout_s:g} s; check that every machine "
@@ -441,18 +486,12 @@ def init_rpc(info, name, timeout_s=20.0, device_maps=None, devices=None):
 # ---------------------------------------------------------------------------------------------------------
 
 def seed_everything(seed):
-    random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
 def cuda_device_count():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def local_process_count(spawned):
-    """The number of processes of this run on this machine: torchrun's LOCAL_WORLD_SIZE, else `spawned`."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if launched_by_torchrun() else spawned
 
 
 def gpu_per_process_problem(local_processes):
@@ -471,178 +510,132 @@ def local_gpu_index(local_rank):
 
 
 def pick_device(use_cuda, index=0):
-    """cuda:index when asked for and present, else the CPU; asking for a missing GPU is a UsageError."""
-    if not use_cuda:
-        return torch.device("cpu")
-    check(index < cuda_device_count(),
-          f"no CUDA device {index} on this machine ({cuda_device_count()} found); run without the GPU flag")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    """cuda:index (made current) when asked for, else the CPU; a missing GPU is a UsageError."""
+    check(not use_cuda or index < cuda_device_count(), f"no CUDA device {index} here; run without the GPU flag")
+    if use_cuda:
+        torch.cuda.set_device(index)
+    return torch.device("cuda", index) if use_cuda else torch.device("cpu")
 
 
 def set_tf32(allowed):
-    """Let float32 matrix products and convolutions on Ampere and newer GPUs run in TF32 (about 3x faster, with
-    a relative error near 1e-3), or keep them in IEEE float32, as every comparison with another device needs."""
-    precision = "tf32" if allowed else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.fp32_precision = precision
+    """Let float32 matrix products and convolutions on Ampere and newer GPUs run in TF32 (relative error near
+    1e-3), or keep them in IEEE float32, as every comparison with another device needs."""
+    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "tf32" if allowed else "ieee"
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Data: download once into a cache, verify checksums, write atomically
+# Files: atomic writes, verified checkpoints, figures
 # ---------------------------------------------------------------------------------------------------------
 
-def cache_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "torch-distributed-patterns"
-
-
-def md5(data):
-    return hashlib.md5(data).hexdigest()
-
-
-def write_atomic(path, data):
+def write_or_fail(path, data, flag=None, kept="the previous file, if any, is intact"):
     """Write bytes so that readers see the old file or the whole new one, never a partial one: a temporary file
-    in the same folder, flushed to disk, then renamed over the old one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    in the same folder (created if missing), flushed to disk, then renamed over the old one. A write that fails
+    (disk full, a file-size limit, a folder that became read-only) keeps the previous file and raises RunFailed
+    saying what to do (`flag` names the option that chose the path) and what is kept."""
+    path, tmp = Path(path), None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def save_atomic(obj, path, flag=None):
-    """torch.save through write_or_fail."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    write_or_fail(path, buffer.getvalue(), flag)
-
-
-def write_or_fail(path, data, flag=None, kept="the previous file, if any, is intact"):
-    """write_atomic, creating the folder. A write that fails (disk full, a file-size limit, a folder that became
-    read-only) keeps the previous file and raises RunFailed saying what to do (`flag` names the option that chose
-    the path) and what is kept."""
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, data)
     except OSError as error:
-        where = f"pass another {flag}" if flag else "write it elsewhere"
+        with contextlib.suppress(OSError, TypeError):
+            os.unlink(tmp)
         raise RunFailed(f"cannot write {path} ({error.strerror or error}); free space on that disk, lift the "
-                        f"file-size limit or {where}; {kept}") from None
+                        f"file-size limit or {f'pass another {flag}' if flag else 'write elsewhere'}; {kept}") from None
 
 
-def content_digest(value):
-    """sha256 of a checkpoint's contents, in order: dict keys, tensors (dtype, shape and bytes), other values by
-    repr. Stored in the checkpoint, it lets a load tell a damaged file from a good one (torch.load alone
-    accepts a file whose tensor bytes were changed)."""
-    digest = hashlib.sha256()
-
-    def feed(item):
-        if isinstance(item, torch.Tensor):
-            tensor = item.detach().cpu().contiguous().reshape(-1)
-            digest.update(f"tensor {tensor.dtype} {tuple(item.shape)}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes())
-        elif isinstance(item, dict):
-            digest.update(f"dict {len(item)}".encode())
-            for key, entry in item.items():
-                feed(key)
-                feed(entry)
-        elif isinstance(item, (list, tuple)):
-            digest.update(f"{type(item).__name__} {len(item)}".encode())
-            for entry in item:
-                feed(entry)
-        else:
-            digest.update(repr(item).encode())
-
-    feed(value)
-    return digest.hexdigest()
+def save_figure(figure, path, flag=None, kept="the previous file, if any, is intact"):
+    """A matplotlib figure into path (.png, .pdf or .svg, see FIGURE_FORMATS) through write_or_fail; closes it."""
+    import matplotlib.pyplot as plt
+    data = io.BytesIO()
+    figure.tight_layout()
+    figure.savefig(data, format=Path(path).suffix[1:].lower(), dpi=100)
+    plt.close(figure)
+    write_or_fail(path, data.getvalue(), flag, kept)
 
 
 def save_checkpoint(path, script, state, flag=None):
-    """Write `state` (a dict) as a checkpoint of `script`: torch.save of the dict plus the script's name and the
-    content_digest of the state, atomically (see save_atomic). torch.load(path)["key"] still reads it."""
-    save_atomic({**state, "script": script, "sha256": content_digest(state)}, path, flag)
+    """torch.save of `state` (a dict) and the script's name, through write_or_fail: torch.load(path)["key"] reads
+    it back."""
+    buffer = io.BytesIO()
+    torch.save({**state, "script": script}, buffer)
+    write_or_fail(path, buffer.getvalue(), flag)
 
 
 def load_checkpoint(path, script, flag, keys=()):
-    """The state that save_checkpoint wrote for `script`, verified: a file that is truncated, damaged, written
-    by another script or lacking one of `keys` is a UsageError in one line, never a traceback."""
+    """The state that save_checkpoint wrote for `script`, verified: a file that is truncated, damaged, written by
+    another script or lacking one of `keys` is a UsageError in one line, never a traceback. torch.save writes a
+    zip with a CRC-32 of every record, which torch.load does not check, and zipfile does."""
     try:
+        damaged = zipfile.ZipFile(path).testzip()
         saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated zip, garbage, a tensor type the safe loader refuses: the file is bad
-        reason = str(error).strip().split(". ")[0].splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"{flag} {path}: not a readable checkpoint ({reason}); pass a checkpoint written by "
-                         f"{script}.py or delete it") from None
-    check(isinstance(saved, dict) and "sha256" in saved and "script" in saved,
-          f"{flag} {path}: not a checkpoint written by {script}.py; pass one of its checkpoints")
-    check(saved["script"] == script, f"{flag} {path}: a checkpoint of {saved['script']}.py, not of {script}.py; "
-                                     f"pass one of {script}.py's checkpoints")
-    state = {key: value for key, value in saved.items() if key not in ("script", "sha256")}
-    check(content_digest(state) == saved["sha256"],
-          f"{flag} {path}: damaged (its contents do not match the checksum saved with them); delete it or pass "
-          f"another checkpoint")
-    missing = [key for key in keys if key not in state]
+    except Exception as error:  # not a zip, truncated, a type the safe loader refuses: the file is bad
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0][:200]
+        raise UsageError(f"{flag} {path}: not a readable checkpoint ({reason}); pass one written by {script}.py "
+                         f"or delete it") from None
+    check(damaged is None, f"{flag} {path}: damaged ({damaged} does not match its checksum); delete it or pass "
+                           f"another checkpoint")
+    origin = saved.get("script", "another program") if isinstance(saved, dict) else "another program"
+    check(origin == script, f"{flag} {path}: written by {origin}, not by {script}.py; pass one of its checkpoints")
+    missing = [key for key in keys if key not in saved]
     check(not missing, f"{flag} {path}: lacks {', '.join(missing)}; it was written by another version of "
                        f"{script}.py: pass a newer checkpoint")
-    return state
+    return saved
 
 
-def _download(urls, timeout_s=60.0):
-    errors = []
-    for url in urls:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response:
-                return response.read()
-        except OSError as error:
-            errors.append(f"{url}: {getattr(error, 'reason', error)}")
-    raise OSError("; ".join(errors))
+def check_fits(target, state, flag, path):
+    """target.load_state_dict(state) (a module or an optimizer), every tensor's shape checked too: weights or an
+    optimizer state that do not fit are a UsageError naming the first mismatch. Returns target."""
+    try:
+        target.load_state_dict(state)
+        for param, values in getattr(target, "state", {}).items():  # an optimizer's state, per parameter
+            check(all(value.shape == param.shape for value in values.values() if torch.is_tensor(value)
+                      and value.dim()), f"{flag} {path}: its optimizer state does not fit the parameters")
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+        raise UsageError(f"{flag} {path}: does not fit this model ({lines[min(1, len(lines) - 1)][:200]}); pass a "
+                         f"file written by this script with the same model flags") from None
+    return target
 
+
+# ---------------------------------------------------------------------------------------------------------
+# Data: download once into a cache, verify checksums
+# ---------------------------------------------------------------------------------------------------------
 
 def fetch_dataset(data_dir, subdir, files, mirrors, checksum):
     """The folder holding every name in `files`, downloading the missing ones first.
 
-    files: {file name: expected md5}; checksum(name, raw bytes) -> md5 to compare (so .gz files can be
-    checked on their decompressed content). data_dir (or data_dir/subdir) is used as it is when it holds
-    the files; None means the per-user cache. Downloads go to data_dir, or the cache, atomically.
+    files: {file name: expected md5}; checksum(raw bytes) -> md5 to compare (so .gz files can be checked on
+    their decompressed content). data_dir (a DataDir), or data_dir/subdir, is used as it is when it holds the
+    files; None means the per-user cache ($XDG_CACHE_HOME or ~/.cache). Downloads go to data_dir, or the cache.
     """
-    if data_dir is not None:
-        data_dir = Path(data_dir)
-        check(not data_dir.exists() or data_dir.is_dir(), f"--data-dir {data_dir} is not a folder; pass a folder")
-        check(not data_dir.exists() or os.access(data_dir, os.R_OK | os.X_OK),
-              f"--data-dir {data_dir} is not readable; fix its permissions or pass another folder")
-        candidates = [data_dir, data_dir / subdir]
-    else:
-        candidates = [cache_dir() / subdir]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "torch-distributed-patterns", subdir)
+    candidates = [Path(data_dir), Path(data_dir, subdir)] if data_dir is not None else [cache]
     for folder in candidates:
         if all((folder / name).is_file() for name in files):
             return folder
-    target = candidates[0]
-    names = ", ".join(files)
-    for name, expected in files.items():
-        check(not (target / name).is_dir(), f"{target / name} is a folder, not the data file; remove it or pass "
-                                            f"another --data-dir")
-        if (target / name).is_file():
-            continue
+    fix = f"put {', '.join(files)} in a folder and pass --data-dir FOLDER"
+    for name in (name for name in files if not (candidates[0] / name).is_file()):
+        errors = []
+        for url in (mirror + name for mirror in mirrors):
+            try:
+                with urllib.request.urlopen(url, timeout=60) as response:
+                    data = response.read()
+                break
+            except OSError as error:
+                errors.append(f"{url}: {getattr(error, 'reason', error)}")
+        else:
+            raise UsageError(f"cannot download {name} ({'; '.join(errors)}); {fix}")
+        check(checksum(data) == files[name], f"downloaded {name} has the wrong checksum; {fix}")
         try:
-            data = _download([mirror + name for mirror in mirrors])
-        except OSError as error:
-            raise UsageError(f"cannot download {name} ({error}); put {names} in a folder and pass "
-                             f"--data-dir FOLDER") from None
-        check(checksum(name, data) == expected,
-              f"downloaded {name} has the wrong checksum; put {names} in a folder and pass --data-dir FOLDER")
-        try:
-            target.mkdir(parents=True, exist_ok=True)
-            write_atomic(target / name, data)
-        except OSError as error:
-            raise UsageError(f"cannot write {target / name} ({error.strerror or error}); pass a --data-dir you "
-                             f"can write to, with room for the data") from None
-    return target
+            write_or_fail(candidates[0] / name, data)
+        except RunFailed as error:
+            raise UsageError(f"{error}; or pass a --data-dir you can write to") from None
+    return candidates[0]
 
 
 FASHION_MNIST_MIRRORS = [
@@ -656,38 +649,30 @@ FASHION_MNIST_FILES = {
     "t10k-images-idx3-ubyte.gz": "8181f5470baa50b63fa0f6fddb340f0a",
     "t10k-labels-idx1-ubyte.gz": "15d484375f8d13e6eb1aabb0c3f46965",
 }
+FASHION_MNIST_TRAIN = 60_000  # images in the training split
 
 
-def _gunzip_md5(name, data):
+def _gunzip(data, path="the download"):
     try:
-        return md5(gzip.decompress(data))
-    except (OSError, EOFError):
-        return "not a gzip file"
+        return gzip.decompress(data)
+    except (OSError, EOFError) as error:
+        raise UsageError(f"{path} is not gzip data ({error}); delete it to download it again") from None
 
 
 def fashion_mnist_dir(data_dir=None, mirrors=FASHION_MNIST_MIRRORS):
     """Folder with the four Fashion-MNIST IDX .gz files; call once before launching (downloads if needed)."""
-    return fetch_dataset(data_dir, "fashion-mnist", FASHION_MNIST_FILES, mirrors, _gunzip_md5)
-
-
-def _read_idx(path, expected_md5):
-    try:
-        raw = gzip.decompress(Path(path).read_bytes())
-    except (OSError, EOFError) as error:
-        raise UsageError(f"{path} is unreadable or not gzip data ({error}); delete it to download it again, or "
-                         f"pass another --data-dir") from None
-    check(md5(raw) == expected_md5, f"{path} is corrupt (md5 mismatch); delete it to download it again")
-    ndim = raw[3]
-    shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    return torch.frombuffer(bytearray(raw[4 + 4 * ndim:]), dtype=torch.uint8).view(*shape)
+    return fetch_dataset(data_dir, "fashion-mnist", FASHION_MNIST_FILES, mirrors, lambda data: md5(_gunzip(data)))
 
 
 def load_fashion_mnist(folder):
     """(train images uint8 [60000, 28, 28], train labels int64, test images, test labels), checksums verified."""
-    folder = Path(folder)
-    tensors = {name.split("-idx")[0]: _read_idx(folder / name, digest) for name, digest in FASHION_MNIST_FILES.items()}
-    return (tensors["train-images"], tensors["train-labels"].long(),
-            tensors["t10k-images"], tensors["t10k-labels"].long())
+    tensors = []
+    for name, digest in FASHION_MNIST_FILES.items():
+        raw = _gunzip(Path(folder, name).read_bytes(), Path(folder, name))
+        check(md5(raw) == digest, f"{Path(folder, name)} is corrupt (md5 mismatch); delete it to download it again")
+        shape = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(raw[3])]  # the IDX header
+        tensors.append(torch.frombuffer(bytearray(raw[4 + 4 * raw[3]:]), dtype=torch.uint8).view(*shape))
+    return tensors[0], tensors[1].long(), tensors[2], tensors[3].long()
 
 
 WIKITEXT2_MIRRORS = ["https://raw.githubusercontent.com/pytorch/examples/main/word_language_model/data/wikitext-2/"]
@@ -701,12 +686,12 @@ WIKITEXT2_FILES = {
 def wikitext2_dir(data_dir=None, mirrors=WIKITEXT2_MIRRORS):
     """Folder with train/valid/test.txt of WikiText-2. A --data-dir that already holds the three files is used
     as it is (any text in that format, unchecked); downloads are checked against the published md5s."""
-    return fetch_dataset(data_dir, "wikitext-2", WIKITEXT2_FILES, mirrors, lambda name, data: md5(data))
+    return fetch_dataset(data_dir, "wikitext-2", WIKITEXT2_FILES, mirrors, md5)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Results
-# ---------------------------------------------------------------------------------------------------------
+def md5(data):
+    return hashlib.md5(data).hexdigest()
+
 
 def emit_result(script, **figures):
     """The run's last line: one JSON object that tests and benchmarks read."""

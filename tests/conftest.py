@@ -1,7 +1,10 @@
 """Shared test plumbing: run a script as a subprocess with a timeout, read its final JSON line."""
 
+import functools
+import inspect
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,11 +72,64 @@ def data_root():
     return shared if shared.is_dir() else None
 
 
+@functools.cache
+def _find_data(name):
+    import common
+    find = {"fashion-mnist": common.fashion_mnist_dir, "wikitext-2": common.wikitext2_dir}[name]
+    try:
+        return find(data_root()), None
+    except common.UsageError as error:
+        return None, str(error)
+
+
+def data_folder(name="fashion-mnist"):
+    """The folder holding data set `name` (fashion-mnist or wikitext-2): under data_root(), or in the scripts'
+    download cache, downloaded there on first use. Where neither has it and the download fails, every test that
+    asks for it fails at once with the scripts' own one-line message (the download is tried once per session)."""
+    folder, problem = _find_data(name)
+    if problem:
+        pytest.fail(f"no {name} data: {problem}", pytrace=False)
+    return folder
+
+
 @pytest.fixture
 def data_dir_args():
-    """['--data-dir', root] for the scripts, or [] to let them use their download cache."""
-    root = data_root()
-    return ["--data-dir", str(root)] if root else []
+    """['--data-dir', the folder holding Fashion-MNIST] for the scripts (see data_folder)."""
+    return ["--data-dir", str(data_folder("fashion-mnist"))]
+
+
+def assert_help_follows_the_rules(module, capsys):
+    """`script.py --help` of a script module: every flag in a group, with a text; placeholders by kind (N, FILE,
+    DIR, ...), never the flag's own name; no "(default: None)"; no flag's text names a function or class of the
+    script or common.py (it points at nothing in the source); no line wider than the docstrings (common.HELP_WIDTH).
+    Holds for flags added later."""
+    import common
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert module.__doc__.splitlines()[0] in text
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= common.HELP_WIDTH, max(lines, key=len)
+    assert "(default: None)" not in text
+    flags = re.findall(r"^  (--[a-z0-9-]+)(?: ([^ ,]+))?", text, flags=re.M)
+    assert len(flags) >= 5
+    for flag, metavar in flags:
+        assert metavar != flag[2:].upper().replace("-", "_"), f"{flag} {metavar}: the placeholder repeats the flag"
+    groups = [line for line in lines if re.fullmatch(r"[A-Z][^:]*:", line) and line != "options:"]
+    assert len(groups) >= 3, "the flags are not grouped"
+    options_section = text[text.index("options:"):]
+    assert re.search(r"^  --(?!help)", options_section.split("\n\n")[0], flags=re.M) is None, \
+        "a flag outside any group"
+    defined = {name for source in (module, common) for name, value in vars(source).items()
+               if (inspect.isfunction(value) or inspect.isclass(value)) and getattr(value, "__module__", None)
+               == source.__name__ and ("_" in name.strip("_") or name[0].isupper()) and name != "Args"}
+    named = [name for name in defined if re.search(rf"\b{re.escape(name)}\b", options_section)]
+    assert not named, f"--help points into the source: {named}"
+    for flag in re.findall(r"^  (--[a-z0-9-]+)[^\n]*?\n?", text, flags=re.M):
+        assert re.search(rf"^  {flag}(, --no-[a-z0-9-]+)?( [^ ]+)? +\S", text, flags=re.M) or \
+            re.search(rf"^  {flag}[^\n]*\n {{20,}}\S", text, flags=re.M), f"{flag} has no help text"
+    return text
 
 
 def run_script(script, *args, timeout=120, env=None):
