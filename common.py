@@ -138,7 +138,7 @@ def data_folder(flag, path):
 INT64, FLOAT_MAX = 2**63 - 1, sys.float_info.max
 Positive = Annotated[int, "N", _number(int, 1, INT64, "a whole number, 1 or more")]
 NonNegative = Annotated[int, "N", _number(int, 0, INT64, "a whole number, 0 or more")]
-Seed = Annotated[int, "SEED", _number(int, 0, 2**32 - 1, "a seed from 0 to 2**32 - 1 (numpy's range)")]
+Seed = Annotated[int, "N", _number(int, 0, 2**32 - 1, "a seed from 0 to 2**32 - 1 (numpy's range)")]
 PositiveFloat = Annotated[float, "X", _number(float, 5e-324, FLOAT_MAX, "a positive number")]
 Seconds = Annotated[float, "SECONDS", _number(float, 5e-324, FLOAT_MAX, "a positive number of seconds")]
 InFile = Annotated[str, "FILE", input_file]
