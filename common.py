@@ -134,7 +134,7 @@ def data_folder(flag, path):
 
 
 # The kinds of flag values, Annotated with their placeholder in --help and parse(flag, text), which returns the
-# value or raises UsageError as the command line is parsed: `seed: Seed = 1` gives `--seed SEED` and its rule.
+# value or raises UsageError as the command line is parsed: `seed: Seed = 1` gives `--seed N` and its rule.
 INT64, FLOAT_MAX = 2**63 - 1, sys.float_info.max
 Positive = Annotated[int, "N", _number(int, 1, INT64, "a whole number, 1 or more")]
 NonNegative = Annotated[int, "N", _number(int, 0, INT64, "a whole number, 0 or more")]
