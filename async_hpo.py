@@ -41,10 +41,12 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -631,9 +633,9 @@ def connect_to_ray(address, entry_point):
 
     An address nothing answers at is a UsageError at once, where ray.init would retry for minutes: HOST:PORT (for
     auto, RAY_ADDRESS if set: ray.init's rule) is tried with a TCP connection first. The trials' code travels with
-    the job: Ray's runtime_env working_dir, the entry point's folder with everything excluded but the entry point and
-    common.py (never the project's data or its .venv), is uploaded once and becomes the working folder of every
-    trial task on every node."""
+    the job: Ray's runtime_env working_dir, here a folder holding only the entry point and common.py (never the
+    project's data or its .venv), is uploaded once and becomes the working folder of every trial task on every
+    node."""
     target = (os.environ.get("RAY_ADDRESS") or address) if address == "auto" else address
     fix = "start one with `ray start --head`, or fix the address"
     if target != "auto":
@@ -643,11 +645,16 @@ def connect_to_ray(address, entry_point):
         except (OSError, ValueError, OverflowError) as error:
             raise common.UsageError(f"--ray-address {address}: nothing answers at {target} ({error}); {fix}") from None
     import ray
-    code = {"working_dir": str(entry_point.parent), "excludes": ["*", f"!{entry_point.name}", "!common.py"]}
+    code = Path(tempfile.mkdtemp(prefix="async-hpo-code-"))
     try:
-        ray.init(address=address, runtime_env=code, logging_level=logging.WARNING, log_to_driver=False)
+        for path in (entry_point, Path(__file__).resolve().with_name("common.py")):
+            shutil.copy(path, code)
+        ray.init(address=address, runtime_env={"working_dir": str(code)}, logging_level=logging.WARNING,
+                 log_to_driver=False)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as error:  # no cluster, a token that differs
         raise common.UsageError(f"--ray-address {address}: {str(error).splitlines()[0]}; {fix}") from None
+    finally:
+        shutil.rmtree(code)
     return [(int(node["Resources"].get("CPU", 0)), int(node["Resources"].get("GPU", 0)))
             for node in ray.nodes() if node["Alive"]]
 
@@ -675,9 +682,11 @@ def run_trial_on_node(entry_point, config_text):
     yield TRIAL_INFO + json.dumps(node) + "\n"
     with subprocess.Popen([sys.executable, entry_point, TRIAL_FLAG, "/dev/stdin"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trial:
-        trial.stdin.write(json.dumps(config))
-        trial.stdin.close()
-        yield from trial.stdout
+        with contextlib.suppress(BrokenPipeError):  # a trial that died at once: its exit status says more
+            trial.stdin.write(json.dumps(config))
+            trial.stdin.close()
+        for line in trial.stdout:  # (not `yield from`: Ray drives the task with send())
+            yield line
     yield trial.returncode
 
 
@@ -714,7 +723,8 @@ class RayTrials(LocalBackend):
                     try:
                         item = ray.get(next(self.streams[trial_id]))
                     except ray.exceptions.RayError as error:  # its node died, its worker was killed, or cancelled
-                        self.reasons[trial_id], item = f"ray: {str(error).splitlines()[0]}", 1
+                        why = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+                        self.reasons[trial_id], item = f"ray: {why}", 1
                         (self.trial_path(trial_id) / "std.err").write_text(self.reasons[trial_id] + "\n")
                     if isinstance(item, int):
                         self.exit_codes[trial_id] = item

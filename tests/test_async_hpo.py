@@ -175,6 +175,21 @@ def test_random_search_goes_on_after_a_crashed_trial(tmp_path, data_dir_args):
     assert not trial_processes(tmp_path)
 
 
+def test_too_many_crashes_stop_the_search_with_a_clear_error(tmp_path, data_dir_args):
+    proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "1", "--max-failures", "0", "--results-dir", tmp_path)
+    try:
+        for process in wait_for(lambda: trial_processes(tmp_path, 0), 60, "trial 0 to start"):
+            process.send_signal(signal.SIGKILL)
+    finally:
+        code, out, err = finish(proc, 120)
+    lines = err.strip().splitlines()
+    assert code == 1, (code, err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "trial 0 failed (killed by SIGKILL" in lines[0] and "--max-failures 0" in lines[0], lines
+    assert str(next(tmp_path.glob("*/0"))) in lines[0]  # where its logs are
+    assert not trial_processes(tmp_path)
+
+
 def test_max_trials_starts_exactly_that_many_and_lets_them_finish(tmp_path, data_dir_args):
     """Three trials on two workers: the third starts when a worker frees up, and no fourth starts while it runs;
     all three run every epoch, and each event is printed once."""
@@ -191,9 +206,9 @@ def test_max_trials_starts_exactly_that_many_and_lets_them_finish(tmp_path, data
 
 def test_the_budget_still_ends_a_search_with_max_trials(tmp_path, data_dir_args):
     """--max-wallclock-time is a hard budget: trials far from done are cut off at it (and say so, once each)."""
-    budget = 30
-    proc = start_search(*data_dir_args, *QUICK[:4], "--max-wallclock-time", budget, "--max-epochs", "1000",
-                        "--max-trials", "3", "--results-dir", tmp_path)
+    budget = 60  # time for the trials to start and report (on a loaded machine), far from their 1000 epochs
+    proc = start_search(*data_dir_args, "--limit-train", "500", "--activation", "relu", "--max-wallclock-time", budget,
+                        "--max-epochs", "1000", "--max-trials", "3", "--results-dir", tmp_path)
     code, out, err = finish(proc, 300)
     assert code == 0, err
     result = last_json(out)
@@ -898,9 +913,10 @@ def nothing_of_the_trials_left(cluster):
 
 
 def temporary_files(cluster):
-    """What is in the nodes' temporary folder (TMPDIR of both nodes) outside Ray's own session folders."""
-    return {path.name for path in cluster.folder.iterdir()} - {"session_latest", "ray_current_cluster"} - {
-        path.name for path in cluster.folder.glob("session_*")}
+    """What is in the nodes' temporary folder (TMPDIR of both nodes) but Ray's own folder and torch's compile cache
+    (`torchinductor_<user>`, which torch keeps there by design)."""
+    return {path.name for path in cluster.folder.iterdir() if path.name != "ray" and
+            not path.name.startswith("torchinductor_")}
 
 
 def test_ray_sigterm_stops_every_trial_on_every_node(ray_cluster, tmp_path, data_dir_args):
@@ -918,7 +934,7 @@ def test_ray_sigterm_stops_every_trial_on_every_node(ray_cluster, tmp_path, data
     finally:
         code, out, err = finish(proc, 60)
     assert code == 128 + signal.SIGTERM, (code, err)
-    assert "SIGTERM" in err and len(err.strip().splitlines()) == 1, err
+    assert "SIGTERM" in err.strip().splitlines()[-1] and "Traceback" not in err, err  # (after Ray's C++ warnings)
     wait_for(lambda: nothing_of_the_trials_left(ray_cluster), 60, "Ray to end the cancelled trials")
     (experiment,) = [path for path in tmp_path.iterdir() if path.is_dir()]
     assert (experiment / "metadata.json").is_file() and (experiment / "0" / "std.out").is_file()
