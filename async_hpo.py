@@ -37,16 +37,13 @@ import dataclasses
 import errno
 import importlib.util
 import io
-import itertools
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -280,18 +277,12 @@ def plot_figures(results, folder):
 
 # --- Beyond the tutorial: other schedulers, --max-trials, and the exercises' model and local searcher ---
 
-class DropoutMLP(nn.Module):
-    """D2L 5.6's MLP: two ReLU hidden layers, each followed by dropout (PyTorch's default initialisation, as the
-    tutorial's LazyLinear layers)."""
-
-    def __init__(self, num_hiddens_1, num_hiddens_2, dropout_1, dropout_2, num_classes=10):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, num_hiddens_1), nn.ReLU(), nn.Dropout(dropout_1),
-                                 nn.Linear(num_hiddens_1, num_hiddens_2), nn.ReLU(), nn.Dropout(dropout_2),
-                                 nn.Linear(num_hiddens_2, num_classes))
-
-    def forward(self, images):
-        return self.net(images)
+def dropout_mlp(num_hiddens_1, num_hiddens_2, dropout_1, dropout_2, num_classes=10):
+    """D2L 5.6's DropoutMLP: two ReLU hidden layers, each followed by dropout (PyTorch's default initialisation, as
+    the tutorial's LazyLinear layers)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, num_hiddens_1), nn.ReLU(), nn.Dropout(dropout_1),
+                         nn.Linear(num_hiddens_1, num_hiddens_2), nn.ReLU(), nn.Dropout(dropout_2),
+                         nn.Linear(num_hiddens_2, num_classes))
 
 
 MLP_SPACE = {"num_hiddens_1": lograndint(32, 1024), "num_hiddens_2": lograndint(32, 1024),
@@ -322,8 +313,8 @@ def at_most(scheduler, max_trials):
     (TrialScheduler.suggest): the Tuner lets the running trials finish and ends, and its stop criterion still ends
     the search at --max-wallclock-time. (Stopping once N trials have finished would let the free workers start more
     trials meanwhile, only to cut them off.)"""
-    proposed, suggest = itertools.count(), scheduler.suggest
-    scheduler.suggest = lambda: suggest() if next(proposed) < max_trials else None
+    proposals, suggest = iter(range(max_trials)), scheduler.suggest
+    scheduler.suggest = lambda: suggest() if next(proposals, None) is not None else None
     return scheduler
 
 
@@ -347,9 +338,6 @@ class LocalSearcher(SingleObjectiveBaseSearcher):
     def on_trial_result(self, trial_id, config, metric):
         if metric < self.incumbent_metric:
             self.incumbent, self.incumbent_metric = dict(config), metric
-
-    def on_trial_complete(self, trial_id, config, metric):
-        self.on_trial_result(trial_id, config, metric)
 
     def suggest(self):
         config = self._next_points_to_evaluate()  # BaseSearcher.suggest's documented way to honour them
@@ -387,16 +375,14 @@ def trial_main(argv):
     info = {"started_at": psutil.Process().create_time(), "device": where, "host": socket.gethostname()}
     print(TRIAL_INFO + json.dumps(info), flush=True)
     torch.manual_seed(config["seed"])
-    model = DropoutMLP(*(config[name] for name in MLP_SPACE)) if config["model"] == "mlp" else None
+    model = dropout_mlp(*(config[name] for name in MLP_SPACE)) if config["model"] == "mlp" else None
     hpo_objective_lenet_synetune({**config, "data_folder": trial_data_folder(config["data_folder"])}, model, device)
 
 
 def trial_data_folder(data_folder):
     """The tuner's data folder when this machine has it, else (a trial on another machine of a Ray cluster) this
     machine's download cache, filled and verified there once."""
-    if all((Path(data_folder) / name).is_file() for name in common.FASHION_MNIST_FILES):
-        return data_folder
-    return common.fashion_mnist_dir(None)
+    return data_folder if Path(data_folder).is_dir() else common.fashion_mnist_dir(None)
 
 
 def describe_exit(code):
@@ -450,31 +436,44 @@ class WatchedTrials(LocalBackend):
 # --- Beyond the tutorial: the console (one line per trial event), tuner.log, results kept whole, signals ---
 
 class Search(TunerCallback):
-    """What the console shows of a search, one line per trial event (started, completed, stopped early, failed, cut
-    off), each printed once, and what the summary needs of it: its name and folder, its wall-clock span, and each
-    trial's configuration and end. Lives in the tuner process."""
+    """The search as the console shows it, one line per trial event (started, completed, stopped early, failed, cut
+    off), each printed once, and as the summary reads it: its name, folder and wall-clock span, and a row per trial
+    with how it ended, its configuration, epochs, last and best validation error, busy time and where it ran. A trial
+    is busy from its process's start (its own clock, in its TRIAL_INFO line) to its last report (its own timestamp);
+    a trial cut off, until the search ended. Lives in the tuner process."""
 
     def __init__(self, out, hyperparameters, max_epochs, backend):
         self.out, self.hyperparameters, self.max_epochs, self.backend = out, hyperparameters, max_epochs, backend
-        self.configs, self.ended, self.last, self.best = {}, {}, {}, float("inf")
+        self.rows, self.reports, self.best = {}, {}, float("inf")
 
     def on_tuning_start(self, tuner):
         self.name, self.path, self.started_at = tuner.name, tuner.tuner_path, time.time()
 
     def on_start_trial(self, trial):
-        self.configs[trial.trial_id] = trial.config
-        print(f"trial {trial.trial_id} started | " + " | ".join(
-            f"{name} {trial.config[name]:.4g}" for name in self.hyperparameters), file=self.out, flush=True)
+        config, self.reports[trial.trial_id] = {name: trial.config[name] for name in self.hyperparameters}, []
+        self.rows[trial.trial_id] = {"trial": trial.trial_id, "status": None, **config}
+        print(f"trial {trial.trial_id} started | " + " | ".join(f"{key} {value:.4g}" for key, value in config.items()),
+              file=self.out, flush=True)
 
     def end(self, trial_id, how):
-        if trial_id not in self.ended:
-            self.ended[trial_id], last = how, self.last.get(trial_id, {RESOURCE: 0, METRIC: float("nan")})
-            detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}" if how == \
-                "failed" else f"epoch {last[RESOURCE]} | val err {last[METRIC]:.4f} | best {self.best:.4f}"
-            print(f"trial {trial_id} {how} | {detail}", file=self.out, flush=True)
+        row, reports = self.rows[trial_id], self.reports[trial_id]
+        if row["status"] is not None:
+            return
+        info = {}
+        for line in (line for line in self.backend.stdout(trial_id) if line.startswith(TRIAL_INFO)):
+            info.update(json.loads(line[len(TRIAL_INFO):]))
+        started, errors = info.pop("started_at", time.time()), [report[METRIC] for report in reports]
+        ended = time.time() if how == "cut off" else reports[-1][ST_WORKER_TIMESTAMP] if reports else started
+        row.update(status=how, epochs=reports[-1][RESOURCE] if reports else 0, val_err=(errors or [None])[-1],
+                   best_err=min(errors, default=None), busy_s=round(max(0.0, ended - started), 1), **info)
+        detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}" if how == \
+            "failed" else f"epoch {row['epochs']} | val err {errors[-1]:.4f} | best {self.best:.4f}" if errors else \
+            "no report"
+        print(f"trial {trial_id} {how} | {detail}", file=self.out, flush=True)
 
     def on_trial_result(self, trial, status, result, decision):
-        self.last[trial.trial_id], self.best = result, min(self.best, result[METRIC])
+        self.reports[trial.trial_id].append(result)
+        self.best = min(self.best, result[METRIC])
         if decision == SchedulerDecision.STOP:  # ASHA's, or its last rung
             self.end(trial.trial_id, "completed" if result[RESOURCE] >= self.max_epochs else "stopped early")
 
@@ -487,7 +486,7 @@ class Search(TunerCallback):
 
     def on_tuning_end(self):
         self.ended_at = time.time()
-        for trial_id in self.configs:
+        for trial_id in self.rows:
             self.end(trial_id, "cut off")  # still running when the search ended
 
 
@@ -515,13 +514,16 @@ def messages_to(path):
     return contextlib.redirect_stdout(log)
 
 
-def stop_on_signals():
-    """SIGINT and SIGTERM raise KeyboardInterrupt (its argument: the signal), on which Syne Tune's Tuner stops every
-    trial; by default SIGTERM would end the tuner alone. A second signal cannot cut that clean-up short."""
+def stop_on_signals(results_dir):
+    """SIGINT and SIGTERM end the search with one line and exit status 128 + the signal: a SystemExit, on which Syne
+    Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone). Further signals are ignored, so
+    that they cannot cut that clean-up short."""
     def interrupt(signum, frame):
         for other in (signal.SIGINT, signal.SIGTERM):
             signal.signal(other, signal.SIG_IGN)
-        raise KeyboardInterrupt(signum)
+        print(f"{Path(sys.argv[0]).name}: {signal.Signals(signum).name}: every trial is stopped; the results so far "
+              f"stay in {results_dir}", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, interrupt)
 
@@ -541,7 +543,7 @@ def run_search(args, trial_backend, config_space, out=None):
     scheduler = at_most(scheduler, args.max_trials) if args.max_trials else scheduler
     search = Search(out or sys.stdout, [key for key, value in config_space.items() if isinstance(value, Domain)],
                     args.max_epochs, trial_backend)
-    stop_on_signals()
+    stop_on_signals(results_dir)
     try:
         with messages_to(results_dir / name / "tuner.log"):
             tune(args, trial_backend, scheduler, name, callbacks=[search, KeptResults()])
@@ -566,30 +568,9 @@ def run_search(args, trial_backend, config_space, out=None):
 
 # --- Beyond the tutorial: the summary, a table of every trial, worker utilisation, the JSON line ---
 
-def trial_rows(search, results):
-    """One row per trial started: how it ended, its configuration, epochs, last and best validation error, busy time
-    and where it ran. A trial is busy from its process's start (its own clock) to its last report (its own
-    timestamp); a trial cut off is busy until the search ended."""
-    rows = []
-    for trial_id, config in search.configs.items():
-        reports = results[results.trial_id == trial_id]
-        info = {"started_at": search.ended_at}
-        for line in (line for line in search.backend.stdout(trial_id) if line.startswith(TRIAL_INFO)):
-            info.update(json.loads(line[len(TRIAL_INFO):]))
-        status, started = search.ended[trial_id], info.pop("started_at")
-        last_report = reports[ST_WORKER_TIMESTAMP].max() if len(reports) else started
-        ended = search.ended_at if status == "cut off" else last_report
-        rows.append({"trial": trial_id, "status": status, **{name: config[name] for name in search.hyperparameters},
-                     "epochs": int(reports[RESOURCE].max()) if len(reports) else 0,
-                     "val_err": float(reports[METRIC].iloc[-1]) if len(reports) else None,
-                     "best_err": float(reports[METRIC].min()) if len(reports) else None,
-                     "busy_s": round(max(0.0, float(ended) - started), 1), **info})
-    return rows
-
-
-def summarize(search, rows, n_workers):
+def summarize(search, n_workers):
     """Trial counts by how they ended, and worker utilisation: busy trial time / (n_workers x wall time)."""
-    wall = search.ended_at - search.started_at
+    wall, rows = search.ended_at - search.started_at, list(search.rows.values())
     count = {how: sum(row["status"] == how for row in rows) for how in ("completed", "stopped early", "failed")}
     return {"trials_started": len(rows), "trials_finished": sum(count.values()), "trials_completed": count["completed"],
             "trials_stopped_early": count["stopped early"], "trials_failed": count["failed"],
@@ -613,15 +594,14 @@ def report(args, search):
     if experiment.results is None:
         raise common.RunFailed(f"no trial reported a result within --max-wallclock-time {args.max_wallclock_time:g}; "
                                f"give it more time (the trials' logs: {search.path})")
-    best = int(experiment.best_config()["trial_id"])  # the trial of the lowest validation error reported
-    rows = trial_rows(search, experiment.results)
-    print_table(rows, search.hyperparameters)
+    best = search.rows[int(experiment.best_config()["trial_id"])]  # the trial of the lowest validation error
+    print_table(search.rows.values(), search.hyperparameters)
     figures = plot_figures(experiment.results, search.path)
     common.emit_result(
         "async_hpo", model=args.model, scheduler=args.scheduler, sync=args.sync, n_workers=args.n_workers,
-        best_config={name: search.configs[best][name] for name in search.hyperparameters},
-        best_validation_error=rows[best]["best_err"], best_trial=best, **summarize(search, rows, args.n_workers),
-        trials=rows, experiment=search.name, results_dir=str(search.path.parent),
+        best_config={name: best[name] for name in search.hyperparameters}, best_validation_error=best["best_err"],
+        best_trial=best["trial"], **summarize(search, args.n_workers), trials=list(search.rows.values()),
+        experiment=search.name, results_dir=str(search.path.parent),
         figures={name: str(path) for name, path in figures.items()},
         **({"ray_address": args.ray_address} if args.ray_address else {}))
 
@@ -633,9 +613,9 @@ def connect_to_ray(address, entry_point):
 
     An address nothing answers at is a UsageError at once, where ray.init would retry for minutes: HOST:PORT (for
     auto, RAY_ADDRESS if set: ray.init's rule) is tried with a TCP connection first. The trials' code travels with
-    the job: Ray's runtime_env working_dir, here a folder holding only the entry point and common.py (never the
-    project's data or its .venv), is uploaded once and becomes the working folder of every trial task on every
-    node."""
+    the job: Ray's runtime_env working_dir, the entry point's folder with everything in it excluded but the entry
+    point and common.py (never the project's data or its .venv), is uploaded once and becomes the working folder of
+    every trial task on every node."""
     target = (os.environ.get("RAY_ADDRESS") or address) if address == "auto" else address
     fix = "start one with `ray start --head`, or fix the address"
     if target != "auto":
@@ -645,16 +625,13 @@ def connect_to_ray(address, entry_point):
         except (OSError, ValueError, OverflowError) as error:
             raise common.UsageError(f"--ray-address {address}: nothing answers at {target} ({error}); {fix}") from None
     import ray
-    code = Path(tempfile.mkdtemp(prefix="async-hpo-code-"))
+    # "[!.]*" and ".?*" exclude every file and folder in it, but not the folder itself, as "*" would
+    excludes = ["[!.]*", ".?*", f"!/{entry_point.name}", "!/common.py"]
+    code = {"working_dir": str(entry_point.parent), "excludes": excludes}
     try:
-        for path in (entry_point, Path(__file__).resolve().with_name("common.py")):
-            shutil.copy(path, code)
-        ray.init(address=address, runtime_env={"working_dir": str(code)}, logging_level=logging.WARNING,
-                 log_to_driver=False)
+        ray.init(address=address, runtime_env=code, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as error:  # no cluster, a token that differs
         raise common.UsageError(f"--ray-address {address}: {str(error).splitlines()[0]}; {fix}") from None
-    finally:
-        shutil.rmtree(code)
     return [(int(node["Resources"].get("CPU", 0)), int(node["Resources"].get("GPU", 0)))
             for node in ray.nodes() if node["Alive"]]
 
@@ -768,13 +745,7 @@ def main(argv=None):
     config_space = {**make_config_space(args, data_folder), **(MLP_SPACE if args.model == "mlp" else {}),
                     "model": args.model, "threads": threads, "device": "cuda" if args.cuda else "cpu",
                     "parent_pid": os.getpid()}
-    try:
-        report(args, run_search(args, backend, config_space))
-    except KeyboardInterrupt as interrupt:
-        signum = interrupt.args[0]
-        print(f"{script.name}: {signal.Signals(signum).name}: every trial was stopped; the results so far are in "
-              f"{Path(args.results_dir).resolve()}", file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
+    report(args, run_search(args, backend, config_space))
 
 
 if __name__ == "__main__":

@@ -812,7 +812,9 @@ class LoopbackRayCluster:
 
         threading.Thread(target=read, daemon=True).start()
         if not started.wait(timeout):
-            node.kill()
+            for process in reversed(self.processes(node)):  # its agents too, which would outlive it
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
             raise AssertionError(f"ray start {' '.join(args)} did not start in {timeout} s:\n{''.join(output)[-3000:]}")
         return node
 
