@@ -26,15 +26,14 @@ std.out and std.err. The console gets one line per trial event, a table of every
 
     trial 7 completed | epoch 10 | val err E | best B
     trial 9 cut off | epoch 3 | val err E | best B
-    trial | status    | learning_rate | batch_size | epochs | val_err | best_err | busy_s
-        0 | completed |           0.1 |        128 |     10 |       E |        E |      S
+     trial    status  learning_rate  batch_size  epochs  val_err  best_err  busy_s
+         0 completed            0.1         128      10        E         E       S
     {"script": "async_hpo", "model": "lenet", "scheduler": "random", ..., "best_config": {"learning_rate": ...,
      "batch_size": ...}, "best_validation_error": ..., "trials_started": ..., "utilisation": ..., ...}
 """
 
 import contextlib
 import dataclasses
-import errno
 import importlib.util
 import io
 import json
@@ -50,18 +49,19 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import numpy as np
+import pandas as pd
 import psutil
 import torch
 import torch.nn.functional as F
 from syne_tune import Reporter, StoppingCriterion, Tuner
 from syne_tune.backend import LocalBackend
 from syne_tune.backend.trial_status import Status, Trial
-from syne_tune.config_space import Categorical, Domain, Integer, is_log_space, lograndint, loguniform, randint, uniform
+from syne_tune.config_space import Domain, Integer, is_log_space, lograndint, loguniform, randint, uniform
 from syne_tune.constants import ST_CONFIG_JSON_FNAME_ARG, ST_TUNER_TIME, ST_WORKER_TIMESTAMP
 from syne_tune.experiments import load_experiment
 from syne_tune.optimizer.baselines import ASHA, TPE, BOTorch, RandomSearch
 from syne_tune.optimizer.scheduler import SchedulerDecision
-from syne_tune.optimizer.schedulers.searchers.single_objective_searcher import SingleObjectiveBaseSearcher
+from syne_tune.optimizer.schedulers.searchers.random_searcher import RandomSearcher
 from syne_tune.optimizer.schedulers.single_objective_scheduler import SingleObjectiveScheduler
 from syne_tune.report import retrieve
 from syne_tune.results_callback import StoreResultsCallback
@@ -125,7 +125,8 @@ class Args:
     cuda: bool = False
     """train trials on GPUs: one GPU per trial when there are several, else all share the one"""
     trial_threads: Optional[common.Positive] = None
-    """CPU threads per trial; not given: this machine's cores / --n-workers (on Ray: the CPUs Ray reserves for it)"""
+    """CPU threads per trial (on Ray, the CPUs it reserves for each); not given: this machine's cores / --n-workers (on
+    Ray: the most that lets --n-workers trials run at once)"""
     ray_address: Optional[Annotated[str, "HOST:PORT", cluster_address]] = None
     """run the trials as Ray tasks on the cluster at HOST:PORT, or auto for the one that `ray start` began on this
     machine; not given: trials run on this machine"""
@@ -139,10 +140,7 @@ HOLDOUT_SIZE = 10_000
 def validate(args):
     """The rules that involve several flags or this machine (each flag's own rule was checked as it was parsed): one
     line and exit status 2 each, before any data is read."""
-    if args.ray_address is None:
-        common.check_processes("--n-workers", args.n_workers, args.oversubscribe)
-    check(args.trial_threads is None or args.ray_address is None,
-          "--trial-threads is for trials on this machine; on Ray each trial gets the CPUs Ray reserves for it")
+    common.check_processes("--n-workers", args.n_workers, args.oversubscribe or args.ray_address is not None)
     check(args.model == "lenet" or args.activation == "sigmoid",
           f"--activation {args.activation} is the convolutional network's; --model mlp uses ReLU: drop --activation")
     train_images = common.FASHION_MNIST_TRAIN - HOLDOUT_SIZE * args.holdout
@@ -261,7 +259,6 @@ def plot_figures(results, folder):
     trial's learning curve, over the tuner's wall-clock time. Returns their paths."""
     import matplotlib.pyplot as plt
     plt.switch_backend("agg")
-    results = results.sort_values(ST_TUNER_TIME)
     incumbent, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(results[ST_TUNER_TIME], results[METRIC].cummin())
     ax.set(xlabel="wall-clock time (s)", ylabel=f"best {METRIC}", title="incumbent")
@@ -312,23 +309,22 @@ def at_most(scheduler, max_trials):
     """--max-trials: the scheduler proposes max_trials configurations, then None, Syne Tune's "nothing left to try"
     (TrialScheduler.suggest): the Tuner lets the running trials finish and ends, and its stop criterion still ends
     the search at --max-wallclock-time. (Stopping once N trials have finished would let the free workers start more
-    trials meanwhile, only to cut them off.)"""
-    proposals, suggest = iter(range(max_trials)), scheduler.suggest
+    trials meanwhile, only to cut them off.) max_trials None: no limit."""
+    proposals, suggest = iter(range(max_trials or sys.maxsize)), scheduler.suggest
     scheduler.suggest = lambda: suggest() if next(proposals, None) is not None else None
     return scheduler
 
 
-class LocalSearcher(SingleObjectiveBaseSearcher):
+class LocalSearcher(RandomSearcher):
     """The tutorial's exercise 4 (--scheduler local): propose configurations near the best one seen so far (the
     incumbent). Lives in the tuner process.
 
-    Each hyperparameter of the incumbent takes a random step: a float or integer one moves by a Gaussian step of
-    standard deviation `step` x its range (on the log scale when it is searched on one: learning rate, hidden sizes),
-    clipped to the range and rounded for integers; a categorical one is drawn anew with probability `step`. Before
-    any trial has reported, it proposes points_to_evaluate and then random configurations, as random search does.
-    The incumbent is the configuration with the lowest metric in any report (Syne Tune passes the metric to
-    minimise), so the search moves as soon as a trial reports a better epoch. All draws come from one generator
-    seeded with random_seed."""
+    Each hyperparameter of the incumbent (a float or an integer) moves by a Gaussian step of standard deviation
+    `step` x its range (on the log scale when it is searched on one: learning rate, hidden sizes), clipped to the
+    range and rounded for integers; the steps are drawn from a generator seeded with random_seed. Until a trial has
+    reported, it proposes what random search does: points_to_evaluate, then random configurations. The incumbent is
+    the configuration with the lowest metric in any report (Syne Tune passes the metric to minimise), so the search
+    moves as soon as a trial reports a better epoch."""
 
     def __init__(self, config_space, points_to_evaluate=None, random_seed=None, step=0.1):
         super().__init__(config_space, points_to_evaluate=points_to_evaluate, random_seed=random_seed)
@@ -340,16 +336,13 @@ class LocalSearcher(SingleObjectiveBaseSearcher):
             self.incumbent, self.incumbent_metric = dict(config), metric
 
     def suggest(self):
-        config = self._next_points_to_evaluate()  # BaseSearcher.suggest's documented way to honour them
-        domains = {name: domain for name, domain in self.config_space.items() if isinstance(domain, Domain)}
-        if config is None and self.incumbent is None:
-            return {name: domain.sample(random_state=self.random_state) for name, domain in domains.items()}
-        return config or {name: self.near(domain, self.incumbent[name]) for name, domain in domains.items()}
+        if self.incumbent is None:
+            return super().suggest()  # random search's: points_to_evaluate, then random configurations
+        return {name: self.near(domain, self.incumbent[name]) for name, domain in self.config_space.items()
+                if isinstance(domain, Domain)}
 
     def near(self, domain, value):
         """A random value of domain near value."""
-        if isinstance(domain, Categorical):  # drawn anew with probability step
-            return domain.sample(random_state=self.random_state) if self.random_state.rand() < self.step else value
         scale, unscale = (np.log, np.exp) if is_log_space(domain) else (float, float)
         low, high = scale(domain.lower), scale(domain.upper)
         moved = unscale(np.clip(scale(value) + self.random_state.normal(0.0, self.step * (high - low)), low, high))
@@ -396,8 +389,8 @@ class WatchedTrials(LocalBackend):
     A trial that uses no CPU time and writes nothing to std.out or std.err for trial_timeout seconds (stopped with
     SIGSTOP or Ctrl-Z, or hung on something that never comes) is killed (SIGKILL: a stopped process would never act
     on SIGTERM) and fails, with the reason at the end of its std.err: without this it would hold its worker until
-    the budget ran out. With config["device"] == "cuda" each trial gets the GPU that the fewest running trials use,
-    as an index among the GPUs this process sees, which the trial sees too (so a scheduler's subset in
+    the budget ran out. Each trial is given the GPU that the fewest running trials use (config["gpu"], used with
+    --cuda), as an index among the GPUs this process sees, which the trial sees too (so a scheduler's subset in
     CUDA_VISIBLE_DEVICES, GPU UUIDs and MIG instances all hold)."""
 
     def __init__(self, entry_point, trial_timeout):
@@ -406,10 +399,9 @@ class WatchedTrials(LocalBackend):
 
     # _schedule and _all_trial_results are TrialBackend's documented extension points
     def _schedule(self, trial_id, config):
-        if config.get("device") == "cuda":
-            busy = [self.gpus[trial] for trial, process in self.trial_subprocess.items() if process.poll() is None]
-            self.gpus[trial_id] = min(range(common.cuda_device_count()), key=busy.count)
-        super()._schedule(trial_id, {**config, "gpu": self.gpus.get(trial_id, 0)})
+        busy = [self.gpus[trial] for trial, process in self.trial_subprocess.items() if process.poll() is None]
+        self.gpus[trial_id] = min(range(max(1, common.cuda_device_count())), key=busy.count)
+        super()._schedule(trial_id, {**config, "gpu": self.gpus[trial_id]})
 
     def _all_trial_results(self, trial_ids):
         now = time.monotonic()
@@ -457,19 +449,17 @@ class Search(TunerCallback):
 
     def end(self, trial_id, how):
         row, reports = self.rows[trial_id], self.reports[trial_id]
-        if row["status"] is not None:
-            return
-        info = {}
-        for line in (line for line in self.backend.stdout(trial_id) if line.startswith(TRIAL_INFO)):
-            info.update(json.loads(line[len(TRIAL_INFO):]))
-        started, errors = info.pop("started_at", time.time()), [report[METRIC] for report in reports]
-        ended = time.time() if how == "cut off" else reports[-1][ST_WORKER_TIMESTAMP] if reports else started
-        row.update(status=how, epochs=reports[-1][RESOURCE] if reports else 0, val_err=(errors or [None])[-1],
-                   best_err=min(errors, default=None), busy_s=round(max(0.0, ended - started), 1), **info)
-        detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}" if how == \
-            "failed" else f"epoch {row['epochs']} | val err {errors[-1]:.4f} | best {self.best:.4f}" if errors else \
-            "no report"
-        print(f"trial {trial_id} {how} | {detail}", file=self.out, flush=True)
+        if row["status"] is None:
+            info = dict(item for line in self.backend.stdout(trial_id) if line.startswith(TRIAL_INFO)
+                        for item in json.loads(line[len(TRIAL_INFO):]).items())
+            started, errors = info.pop("started_at", time.time()), [report[METRIC] for report in reports]
+            ended = time.time() if how == "cut off" else reports[-1][ST_WORKER_TIMESTAMP] if reports else started
+            row.update(status=how, epochs=reports[-1][RESOURCE] if reports else 0, val_err=(errors or [None])[-1],
+                       best_err=min(errors, default=None), busy_s=round(max(0.0, ended - started), 1), **info)
+            last = f"epoch {row['epochs']} | val err {row['val_err']:.4f}" if errors else "no report"
+            detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}" if how == \
+                "failed" else f"{last} | best {self.best:.4f}"
+            print(f"trial {trial_id} {how} | {detail}", file=self.out, flush=True)
 
     def on_trial_result(self, trial, status, result, decision):
         self.reports[trial.trial_id].append(result)
@@ -514,21 +504,17 @@ def messages_to(path):
     return contextlib.redirect_stdout(log)
 
 
-def stop_on_signals(results_dir):
+def stop_on_signals():
     """SIGINT and SIGTERM end the search with one line and exit status 128 + the signal: a SystemExit, on which Syne
     Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone). Further signals are ignored, so
     that they cannot cut that clean-up short."""
     def interrupt(signum, frame):
         for other in (signal.SIGINT, signal.SIGTERM):
             signal.signal(other, signal.SIG_IGN)
-        print(f"{Path(sys.argv[0]).name}: {signal.Signals(signum).name}: every trial is stopped; the results so far "
-              f"stay in {results_dir}", file=sys.stderr, flush=True)
+        print(f"{Path(sys.argv[0]).name}: {signal.Signals(signum).name}: every trial is stopped", file=sys.stderr)
         sys.exit(128 + signum)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, interrupt)
-
-
-WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def run_search(args, trial_backend, config_space, out=None):
@@ -539,27 +525,24 @@ def run_search(args, trial_backend, config_space, out=None):
     results_dir = Path(args.results_dir).resolve()
     os.environ["SYNETUNE_FOLDER"] = str(results_dir)  # Syne Tune's way to say where experiments go
     name = name_from_base(f"async-hpo-{args.scheduler}{'-sync' if args.sync else ''}")
-    scheduler = make_scheduler(args, config_space)
-    scheduler = at_most(scheduler, args.max_trials) if args.max_trials else scheduler
+    scheduler = at_most(make_scheduler(args, config_space), args.max_trials)
     search = Search(out or sys.stdout, [key for key, value in config_space.items() if isinstance(value, Domain)],
                     args.max_epochs, trial_backend)
-    stop_on_signals(results_dir)
+    stop_on_signals()
     try:
         with messages_to(results_dir / name / "tuner.log"):
             tune(args, trial_backend, scheduler, name, callbacks=[search, KeptResults()])
     except ValueError:  # Syne Tune's way to say that more than max_failures trials failed
-        failed = [trial_id for trial_id, how in search.ended.items() if how == "failed"]
+        failed = [trial_id for trial_id, row in search.rows.items() if row["status"] == "failed"]
         if len(failed) <= args.max_failures:
             raise
         raise common.RunFailed(f"trial {failed[0]} failed ({trial_backend.failure_reason(failed[0])}; its log: "
                                f"{trial_backend.trial_path(failed[0])}); {len(failed)} failed, more than "
                                f"--max-failures {args.max_failures}: the search stopped") from None
-    except OSError as error:
-        if error.errno not in WRITE_ERRORS:
-            raise
-        raise common.RunFailed(f"cannot write {error.filename or results_dir / name} ({error.strerror}); free space "
-                               f"on that disk, lift the file-size limit or pass another --results-dir; every trial "
-                               f"was stopped, and what was written before is intact") from None
+    except OSError as error:  # most likely a full disk, a file-size limit or a folder that became read-only
+        raise common.RunFailed(f"{error.filename or results_dir / name}: {error.strerror}; every trial was stopped, "
+                               f"and what was written before is intact; if a disk is full, free space on that disk, "
+                               f"lift the file-size limit or pass another --results-dir") from None
     finally:
         with contextlib.suppress(OSError):  # again, in case the Tuner's own clean-up was cut short by a full disk
             trial_backend.stop_all()
@@ -578,15 +561,6 @@ def summarize(search, n_workers):
             "wall_time_s": round(wall, 1)}
 
 
-def print_table(rows, hyperparameters):
-    columns = ["trial", "status", *hyperparameters, "epochs", "val_err", "best_err", "busy_s"]
-    for row in [dict(zip(columns, columns)), *rows]:
-        cells = {name: "-" if value is None else (f"{value:.4g}" if abs(value) < 10 else f"{value:.1f}")
-                 if isinstance(value, float) else str(value) for name, value in row.items()}
-        print(" | ".join(f"{cells[name]:13}" if name == "status" else f"{cells[name]:>{max(5, len(name))}}"
-                         for name in columns))
-
-
 def report(args, search):
     """The tutorial's ending, the best configuration (as load_experiment reads the results back) and its two figures,
     with a table of every trial and the JSON line."""
@@ -595,7 +569,8 @@ def report(args, search):
         raise common.RunFailed(f"no trial reported a result within --max-wallclock-time {args.max_wallclock_time:g}; "
                                f"give it more time (the trials' logs: {search.path})")
     best = search.rows[int(experiment.best_config()["trial_id"])]  # the trial of the lowest validation error
-    print_table(search.rows.values(), search.hyperparameters)
+    columns = ["trial", "status", *search.hyperparameters, "epochs", "val_err", "best_err", "busy_s"]
+    print(pd.DataFrame(search.rows.values())[columns].to_string(index=False, na_rep="-", float_format="{:.5g}".format))
     figures = plot_figures(experiment.results, search.path)
     common.emit_result(
         "async_hpo", model=args.model, scheduler=args.scheduler, sync=args.sync, n_workers=args.n_workers,
@@ -734,10 +709,10 @@ def main(argv=None):
     script = Path(__file__).resolve()
     if args.ray_address:
         nodes = connect_to_ray(args.ray_address, script)
-        threads = cpus_per_trial(nodes, args.n_workers, int(args.cuda))
-        check(threads >= 1, f"--n-workers {args.n_workers}: the Ray cluster at {args.ray_address} cannot run that many "
-                            f"trials at once ({sum(c for c, _ in nodes)} CPUs, {sum(g for _, g in nodes)} GPUs on "
-                            f"{len(nodes)} nodes{'; one GPU per trial' if args.cuda else ''}); lower --n-workers")
+        fit = cpus_per_trial(nodes, args.n_workers, int(args.cuda))
+        threads = args.trial_threads or fit
+        check(1 <= threads <= fit, f"--n-workers {args.n_workers} with {max(threads, 1)} CPUs each: more than the "
+                                   f"cluster can run at once (CPUs, GPUs of its nodes: {nodes})")
         backend = RayTrials(script, threads, int(args.cuda))
     else:
         threads = args.trial_threads or max(1, common.usable_cpus() // args.n_workers)
