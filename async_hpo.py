@@ -57,7 +57,7 @@ from syne_tune import Reporter, StoppingCriterion, Tuner
 from syne_tune.backend import LocalBackend
 from syne_tune.backend.trial_status import Status, Trial
 from syne_tune.config_space import Domain, Integer, is_log_space, lograndint, loguniform, randint, uniform
-from syne_tune.constants import ST_CONFIG_JSON_FNAME_ARG, ST_TUNER_TIME, ST_WORKER_TIMESTAMP
+from syne_tune.constants import ST_CONFIG_JSON_FNAME_ARG, ST_TUNER_TIME
 from syne_tune.experiments import load_experiment
 from syne_tune.optimizer.baselines import ASHA, TPE, BOTorch, RandomSearch
 from syne_tune.optimizer.scheduler import SchedulerDecision
@@ -353,20 +353,19 @@ class LocalSearcher(RandomSearcher):
 # --- Beyond the tutorial: the trial process, and the local backend that watches its trials ---
 
 TRIAL_FLAG = f"--{ST_CONFIG_JSON_FNAME_ARG}"  # a backend starts each trial with this flag and its config file
-TRIAL_INFO = "[trial-info]: "  # starts a line of a trial's output: JSON of where and since when it runs
+TRIAL_INFO = "[trial-info]: "  # starts a line of a trial's output: JSON of where it runs
 
 
 def trial_main(argv):
     """A trial process: die with the process that started it, take its share of the cores and its device, print
-    where it runs and since when (a TRIAL_INFO line, which the summary reads), then run the objective."""
+    where it runs (a TRIAL_INFO line, which the summary reads), then run the objective."""
     config = json.loads(Path(argv[argv.index(TRIAL_FLAG) + 1]).read_text())
     common.die_with_parent(config["parent_pid"])
     torch.set_num_threads(config["threads"])
     device = torch.device("cuda", config.get("gpu", 0)) if config["device"] == "cuda" else torch.device("cpu")
     where = f"{device} {torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}" \
         if device.type == "cuda" else "cpu"
-    info = {"started_at": psutil.Process().create_time(), "device": where, "host": socket.gethostname()}
-    print(TRIAL_INFO + json.dumps(info), flush=True)
+    print(TRIAL_INFO + json.dumps({"device": where, "host": socket.gethostname(), "pid": os.getpid()}), flush=True)
     torch.manual_seed(config["seed"])
     model = dropout_mlp(*(config[name] for name in MLP_SPACE)) if config["model"] == "mlp" else None
     hpo_objective_lenet_synetune({**config, "data_folder": trial_data_folder(config["data_folder"])}, model, device)
@@ -430,9 +429,10 @@ class WatchedTrials(LocalBackend):
 class Search(TunerCallback):
     """The search as the console shows it, one line per trial event (started, completed, stopped early, failed, cut
     off), each printed once, and as the summary reads it: its name, folder and wall-clock span, and a row per trial
-    with how it ended, its configuration, epochs, last and best validation error, busy time and where it ran. A trial
-    is busy from its process's start (its own clock, in its TRIAL_INFO line) to its last report (its own timestamp);
-    a trial cut off, until the search ended. Lives in the tuner process."""
+    with how it ended, its configuration, epochs, last and best validation error, busy time and where it ran (its
+    TRIAL_INFO lines). A trial is busy from when the tuner started it to when the tuner saw it end (it exited, was
+    stopped, failed, or the search ended): one clock, the tuner's, whatever machine ran the trial. Lives in the tuner
+    process."""
 
     def __init__(self, out, hyperparameters, max_epochs, backend):
         self.out, self.hyperparameters, self.max_epochs, self.backend = out, hyperparameters, max_epochs, backend
@@ -442,27 +442,27 @@ class Search(TunerCallback):
         self.name, self.path, self.started_at = tuner.name, tuner.tuner_path, time.time()
 
     def on_start_trial(self, trial):
-        config, self.reports[trial.trial_id] = {name: trial.config[name] for name in self.hyperparameters}, []
+        config = {name: trial.config[name] for name in self.hyperparameters}
+        self.reports[trial.trial_id] = (time.time(), [])  # when it started, and its reports
         self.rows[trial.trial_id] = {"trial": trial.trial_id, "status": None, **config}
         print(f"trial {trial.trial_id} started | " + " | ".join(f"{key} {value:.4g}" for key, value in config.items()),
               file=self.out, flush=True)
 
     def end(self, trial_id, how):
-        row, reports = self.rows[trial_id], self.reports[trial_id]
+        row, (started, reports) = self.rows[trial_id], self.reports[trial_id]
         if row["status"] is None:
             info = dict(item for line in self.backend.stdout(trial_id) if line.startswith(TRIAL_INFO)
                         for item in json.loads(line[len(TRIAL_INFO):]).items())
-            started, errors = info.pop("started_at", time.time()), [report[METRIC] for report in reports]
-            ended = time.time() if how == "cut off" else reports[-1][ST_WORKER_TIMESTAMP] if reports else started
+            errors = [report[METRIC] for report in reports]
             row.update(status=how, epochs=reports[-1][RESOURCE] if reports else 0, val_err=(errors or [None])[-1],
-                       best_err=min(errors, default=None), busy_s=round(max(0.0, ended - started), 1), **info)
+                       best_err=min(errors, default=None), busy_s=round(time.time() - started, 1), **info)
             last = f"epoch {row['epochs']} | val err {row['val_err']:.4f}" if errors else "no report"
             detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}" if how == \
                 "failed" else f"{last} | best {self.best:.4f}"
             print(f"trial {trial_id} {how} | {detail}", file=self.out, flush=True)
 
     def on_trial_result(self, trial, status, result, decision):
-        self.reports[trial.trial_id].append(result)
+        self.reports[trial.trial_id][1].append(result)
         self.best = min(self.best, result[METRIC])
         if decision == SchedulerDecision.STOP:  # ASHA's, or its last rung
             self.end(trial.trial_id, "completed" if result[RESOURCE] >= self.max_epochs else "stopped early")
@@ -475,9 +475,9 @@ class Search(TunerCallback):
             self.end(trial_id, "failed")
 
     def on_tuning_end(self):
-        self.ended_at = time.time()
         for trial_id in self.rows:
             self.end(trial_id, "cut off")  # still running when the search ended
+        self.ended_at = time.time()
 
 
 class KeptResults(StoreResultsCallback):

@@ -894,10 +894,9 @@ def ray_tasks_running(cluster):
 
 
 def trial_of(process, results_dir):
-    """The id of the trial a process on a Ray node runs: the trial whose first line here gives its start time."""
-    started_at = f'"started_at": {json.dumps(process.create_time())}'
+    """The id of the trial a process on a Ray node runs: the trial whose [trial-info] line here gives its pid."""
     for path in Path(results_dir).glob("*/[0-9]*/std.out"):
-        if started_at in path.read_text():
+        if f'"pid": {process.pid}' in path.read_text():
             return int(path.parent.name)
     return None
 
