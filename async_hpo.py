@@ -455,7 +455,7 @@ class Search(TunerCallback):
                         for item in json.loads(line[len(TRIAL_INFO):]).items())
             errors = [report[METRIC] for report in reports]
             row.update(status=how, epochs=reports[-1][RESOURCE] if reports else 0, val_err=(errors or [None])[-1],
-                       best_err=min(errors, default=None), busy_s=round(time.time() - started, 1), **info)
+                       best_err=min(errors, default=None), busy_s=round(time.time() - started, 3), **info)
             last = f"epoch {row['epochs']} | val err {row['val_err']:.4f}" if errors else "no report"
             detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}" if how == \
                 "failed" else f"{last} | best {self.best:.4f}"
