@@ -6,8 +6,8 @@ CPU): 10 "epochs" of 0.5 s x 128 / batch_size each, i.e. 2.5 s (batch 256) to 20
 reporting a made-up validation error after each. The same search (random, same seed, same configurations
 in the same order) runs for --budget seconds as async with 1 worker, async with 2 workers and sync with 2
 workers, the three interleaved, --repeats times; the figures are means over the repeats. Trials finished
-per minute give the 2-worker speedup; busy trial time / (workers x wall time), from the trials' own
-timestamps, gives the utilisation.
+per minute give the 2-worker speedup; busy trial time / (workers x wall time) gives the utilisation (a trial is
+busy from when the tuner started it to when the tuner saw it end, as async_hpo.py's summary counts it).
 
     python benchmarks/bench_async_hpo.py                           # 2 repeats x 3 variants x 60 s
     python benchmarks/bench_async_hpo.py --budget 30 --repeats 1   # a quick look

@@ -5,9 +5,10 @@ The objective is bench_async_hpo.py's sleeping trial (10 "epochs" of 0.5 s x 128
 per trial), so the figures measure how trials are started, watched and ended, not the CPU. The same search
 (random, same seed: the same configurations in the same order) runs for --budget seconds with --n-workers
 workers, first on the local backend (trials are child processes of the tuner), then on Ray (trials are Ray
-tasks, their output streamed back to the tuner). Utilisation is busy trial time / (workers x wall time), from
-the trials' own timestamps, as in bench_async_hpo.py; on Ray it also pays for placing each task, starting a
-Ray worker for it and streaming its lines.
+tasks, their output streamed back to the tuner). Utilisation is busy trial time / (workers x wall time), as in
+bench_async_hpo.py: a trial is busy from when the tuner started it to when it saw it end, so what Ray adds
+(placing each task, starting a Ray worker for it, streaming its lines) counts as busy, and shows in the trials
+completed per minute.
 
 Without --ray-address the benchmark starts its own one-node cluster, `ray start --head --num-cpus N_WORKERS`,
 and runs both searches in a network namespace of its own that has only a loopback interface (Ray listens on
