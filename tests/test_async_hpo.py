@@ -338,6 +338,8 @@ BAD_INPUT = [  # (what, flags, words the one line must hold); {tmp}: a fresh fol
     ("truncated data file", ["--data-dir", "{tmp}/truncated"], ["train-images-idx3-ubyte.gz", "not gzip data"]),
     ("data file that is not gzip", ["--data-dir", "{tmp}/garbage"], ["train-labels-idx1-ubyte.gz", "not gzip data"]),
     ("data file with other contents", ["--data-dir", "{tmp}/other"], ["t10k-labels-idx1-ubyte.gz is corrupt"]),
+    ("folder where a data file belongs", ["--data-dir", "{tmp}/folder-for-file"],
+     ["t10k-images-idx3-ubyte.gz", "--data-dir"]),
 ]
 NEEDS_PERMISSIONS = {"unreadable data folder", "results folder that cannot be written"}  # root ignores them
 
@@ -349,13 +351,17 @@ def bad_input_folder(folder, data):
     from common import FASHION_MNIST_FILES
     damaged = {"truncated": ("train-images-idx3-ubyte.gz", (data / "train-images-idx3-ubyte.gz").read_bytes()[:2000]),
                "garbage": ("train-labels-idx1-ubyte.gz", b"not gzip at all"),
-               "other": ("t10k-labels-idx1-ubyte.gz", gzip.compress(b"\0" * 10_008))}
+               "other": ("t10k-labels-idx1-ubyte.gz", gzip.compress(b"\0" * 10_008)),
+               "folder-for-file": ("t10k-images-idx3-ubyte.gz", None)}
     for name, (bad_file, contents) in damaged.items():
         (folder / name).mkdir()
         for file in FASHION_MNIST_FILES:
             if file != bad_file:
                 (folder / name / file).symlink_to(data / file)
-        (folder / name / bad_file).write_bytes(contents)
+        if contents is None:
+            (folder / name / bad_file).mkdir()
+        else:
+            (folder / name / bad_file).write_bytes(contents)
     (folder / "file").write_text("not a folder")
     os.mkfifo(folder / "fifo")
     (folder / "empty").mkdir()
