@@ -586,7 +586,7 @@ def report(args, search):
 def connect_to_ray(address, entry_point):
     """Join the Ray cluster at address as its driver; returns its alive nodes as (CPUs, GPUs) pairs.
 
-    An address nothing answers at is a UsageError at once, where ray.init would retry for minutes: HOST:PORT (for
+    An address nothing answers at is a UsageError at once, where ray.init would keep retrying: HOST:PORT (for
     auto, RAY_ADDRESS if set: ray.init's rule) is tried with a TCP connection first. The trials' code travels with
     the job: Ray's runtime_env working_dir, the entry point's folder with everything in it excluded but the entry
     point and common.py (never the project's data or its .venv), is uploaded once and becomes the working folder of
