@@ -6,15 +6,15 @@ CPU): 10 "epochs" of 0.5 s x 128 / batch_size each, i.e. 2.5 s (batch 256) to 20
 reporting a made-up validation error after each. The same search (random, same seed, same configurations
 in the same order) runs for --budget seconds as async with 1 worker, async with 2 workers and sync with 2
 workers, the three interleaved, --repeats times; the figures are means over the repeats. Trials finished
-per minute give the 2-worker speedup; busy trial time / (workers x wall time), from the trials' own
-timestamps, gives the utilisation.
+per minute give the 2-worker speedup; busy trial time / (workers x wall time) gives the utilisation (a trial is
+busy from when the tuner started it to when the tuner saw it end, as async_hpo.py's summary counts it).
 
-    python benchmarks/bench_async_hpo.py                           # 2 x 3 x 60 s, ~7 min
+    python benchmarks/bench_async_hpo.py                           # 2 repeats x 3 variants x 60 s
     python benchmarks/bench_async_hpo.py --budget 30 --repeats 1   # a quick look
 
-On a shared 2-core CPU machine it ended with:
+It ends with a line of this shape, then one JSON line (the figures measured are in docs/async_hpo.md):
 
-    mean of 2: trials/min 8.5 (1 worker) vs 16.0 (2 workers) = 1.88x speedup | utilisation async 97.4% vs sync 75.4%
+    mean of 2: trials/min A (1 worker) vs B (2 workers) = B/Ax speedup | utilisation async U% vs sync V%
 
 This file is also the sleeping trial: Syne Tune starts it with --st_config_json_filename.
 """
@@ -35,28 +35,23 @@ EPOCHS = 10
 
 def report(**metrics):
     """The line syne_tune.Reporter prints (and the tuner parses from the trial's stdout). Written out here
-    because importing syne_tune costs a trial ~1 s of CPU (pandas), which on a shared 2-core machine would
-    be most of what this benchmark measures."""
+    because importing syne_tune (pandas) would cost every trial CPU time that this benchmark would measure
+    as scheduling."""
     print(f"[tune-metric]: {json.dumps({**metrics, 'st_worker_timestamp': time.time()})}", flush=True)
 
 
 def sleeping_trial(argv):
-    """A trial process: sleep for a config-dependent time per epoch and report, like a training run."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument(TRIAL_FLAG)
-    parser.add_argument("--st_checkpoint_dir")
-    config_file = Path(parser.parse_args(argv).st_config_json_filename)
-    config = json.loads(config_file.read_text())
-    # async_hpo.py's trial helpers, repeated here so that a trial does not pay for importing torch
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    started_at = time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    (config_file.parent / "trial.json").write_text(json.dumps({"started_at": started_at, "device": "cpu"}))
+    """A trial process: sleep for a config-dependent time per epoch and report, like a training run. It follows
+    async_hpo.py's trial protocol, repeated here so that a trial does not pay for importing torch: its configuration
+    from the file after the flag (on Ray, /dev/stdin), die with the process that started it, a first line saying
+    where it runs."""
+    config = json.loads(Path(argv[argv.index(TRIAL_FLAG) + 1]).read_text())
     if sys.platform.startswith("linux"):
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the tuner
-    if os.getppid() != config["tuner_pid"]:
-        raise SystemExit("the tuner that started this trial is gone")
+    if os.getppid() != config["parent_pid"]:
+        raise SystemExit("the process that started this trial is gone")
+    print("[trial-info]: " + json.dumps({"device": "cpu", "pid": os.getpid()}), flush=True)
     final_error = 0.1 + 0.5 * (math.log10(config["learning_rate"]) + 0.7) ** 2
     for epoch in range(1, config["max_epochs"] + 1):
         time.sleep(0.5 * 128 / config["batch_size"])
@@ -77,13 +72,11 @@ def main():
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from syne_tune.config_space import loguniform, randint
-    from syne_tune.experiments import load_experiment
 
     import async_hpo
 
     config_space = {"learning_rate": loguniform(1e-2, 1), "batch_size": randint(32, 256), "max_epochs": EPOCHS,
-                    "tuner_pid": os.getpid()}
-    async_hpo.stop_on_signals()
+                    "parent_pid": os.getpid()}
     variants = (("async_1", 1, False), ("async_2", 2, False), ("sync_2", 2, True))
     runs = {name: [] for name, _, _ in variants}
     with tempfile.TemporaryDirectory(prefix="bench-async-hpo-") as results_dir, open(os.devnull, "w") as quiet:
@@ -93,12 +86,8 @@ def main():
                 args = async_hpo.Args(scheduler="random", sync=sync, n_workers=n_workers,
                                       max_wallclock_time=options.budget, max_epochs=EPOCHS, seed=options.seed,
                                       results_dir=results_dir, max_failures=0)
-                try:
-                    search = async_hpo.run_search(args, Path(__file__).resolve(), config_space, out=quiet)
-                except async_hpo.Interrupted as interrupt:
-                    sys.exit(128 + interrupt.signum)
-                results = load_experiment(search.tuner.name, local_path=results_dir).results
-                summary = async_hpo.summarize(search, async_hpo.trial_outcomes(search, results, EPOCHS), n_workers)
+                backend = async_hpo.WatchedTrials(Path(__file__).resolve(), args.trial_timeout)
+                summary = async_hpo.summarize(async_hpo.run_search(args, backend, config_space, out=quiet), n_workers)
                 per_minute = summary["trials_completed"] / (summary["wall_time_s"] / 60)
                 runs[name].append((per_minute, summary["utilisation"]))
                 print(f"{name:8s} | run {repeat + 1} | {summary['trials_completed']:3d} trials completed in "

@@ -91,6 +91,8 @@ def plot(figure_path, trajectories, budget):
     import matplotlib.pyplot as plt
     panels = [(title, [v for v in variants if v in trajectories]) for title, variants in PANELS]
     panels = [(title, variants) for title, variants in panels if len(variants) > 1]
+    if not panels:  # no two variants that a panel compares
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), sharey=True, squeeze=False)
     grid = np.arange(0, math.floor(budget) + 1)
     for ax, (title, variants) in zip(axes[0], panels):
