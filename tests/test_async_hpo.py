@@ -127,23 +127,12 @@ def assert_every_event_once(out, result):
     assert result["trials_finished"] == sum(how != "cut off" for how in rows.values())
 
 
-@pytest.mark.xfail(strict=True, reason="common.Seed's placeholder is SEED, which conftest's rule forbids for --seed")
 def test_help_follows_the_rules(capsys):
-    assert_help_follows_the_rules(import_keeping_environment("async_hpo"), capsys)
-
-
-def test_help_groups_the_flags_and_names_their_kinds(capsys):
-    """What assert_help_follows_the_rules checks, less the placeholder of --seed (see the test above)."""
-    with pytest.raises(SystemExit) as exit_info:
-        import_keeping_environment("async_hpo").main(["--help"])
-    text = capsys.readouterr().out
-    assert exit_info.value.code == 0 and "(default: None)" not in text
+    text = assert_help_follows_the_rules(import_keeping_environment("async_hpo"), capsys)
     for usage in ("--ray-address HOST:PORT", "--max-wallclock-time SECONDS", "--results-dir DIR", "--data-dir DIR",
                   "--n-workers N", "--max-trials N", "--trial-threads N"):
         assert usage in text, usage
-    groups = [line for line in text.splitlines() if line.endswith(":") and line[0].isupper()]
-    assert len(groups) >= 5, groups
-    assert max(map(len, text.splitlines())) <= 120
+
 
 
 def test_random_search_goes_on_after_a_crashed_trial(tmp_path, data_dir_args):
