@@ -23,10 +23,11 @@ Commands:
     torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 2 --master-addr $MASTER_ADDR \\
         --master-port 29500 rpc_rl.py
 
-Last lines of `python rpc_rl.py` (a log line every --log-interval episodes, then the result as one JSON line):
-    episode 310 | last reward 500 | running reward 468.2 | 1450 steps/s
-    solved: running reward 475.6 > 475 after 314 episodes
-    {"script": "rpc_rl", "solved": true, "episodes": 314, "env_steps": 63120, ...}
+Last lines of `python rpc_rl.py`: a log line every --log-interval episodes (its steps/s count from the start of
+training), the line that says it solved CartPole, then the result as one JSON line:
+    episode E | last reward R | running reward 4xx.x | S steps/s
+    solved: running reward 47x.x > 475 after E episodes
+    {"script": "rpc_rl", "solved": true, "episodes": E, "env_steps": N, "wall_time_s": T, "steps_per_s": S, ...}
 """
 
 import contextlib
@@ -103,6 +104,9 @@ class Args:
     """start more than 4 processes per CPU"""
 
 
+CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "progress", "rng")
+
+
 def checkpoint_path(args):
     return Path(args.checkpoint_dir) / "rpc_rl.pt"
 
@@ -135,7 +139,7 @@ def validate(args):
         common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
     if args.resume and checkpoint_path(args).exists():
         path = checkpoint_path(args)
-        saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=("recipe", "policy", "optimizer", "progress"))
+        saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
         check(saved["recipe"] == recipe(args, processes), f"--resume: {path} was written with {saved['recipe']}, "
               f"not {recipe(args, processes)}; pass the same flags or another --checkpoint-dir")
         policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
