@@ -128,23 +128,22 @@ def validate(args):
     args.truncation = args.truncation or ("terminal" if args.tutorial else "bootstrap")
     check(args.gamma < 1 or args.gamma == 1 and args.truncation == "terminal", f"--gamma {args.gamma}: pass a "
           f"discount factor below 1, or 1 with --truncation terminal (a bootstrapped return would be infinite)")
-    beyond = [f"--{name.replace('_', '-')}" for name in ("envs_per_observer", "eval_episodes", "save", "plot",
-              "checkpoint_dir") if getattr(args, name) != getattr(Args, name)] + ["--truncation bootstrap"] * (
-              args.truncation == "bootstrap")
-    check(not (args.tutorial and beyond), f"--tutorial runs the tutorial's code alone; drop {', '.join(beyond)}")
+    beyond = (args.envs_per_observer, args.truncation, args.eval_episodes, args.save, args.plot, args.checkpoint_dir)
+    check(not args.tutorial or beyond == (1, "terminal", 0, None, None, None), "--tutorial runs the tutorial's code "
+          "alone: leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save, --plot and "
+          "--checkpoint-dir")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     if (common.torchrun_env() or {"RANK": 0})["RANK"] != 0:
         return None
-    if args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():  # (its path is valid: it passed OutDir's rule)
-        common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
-    if args.resume and checkpoint_path(args).exists():
-        path = checkpoint_path(args)
-        saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
-        check(saved["recipe"] == recipe(args, processes), f"--resume: {path} was written with {saved['recipe']}, "
-              f"not {recipe(args, processes)}; pass the same flags or another --checkpoint-dir")
-        policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
-        common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
-        return saved
+    if args.checkpoint_dir and checkpoint_path(args).exists():
+        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
+        if args.resume:
+            saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
+            check(saved["recipe"] == recipe(args, processes), f"--resume: {path} was written with {saved['recipe']}, "
+                  f"not {recipe(args, processes)}; pass the same flags or another --checkpoint-dir")
+            policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
+            common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
+            return saved
     if args.load:
         saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
         return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
@@ -207,7 +206,7 @@ class Agent:
             self.policy.load_state_dict(saved["policy"])
         self.optimizer = optim.Adam(self.policy.parameters(), lr=args.lr)
         self.eps = np.finfo(np.float32).eps.item()
-        self.gamma = args.gamma
+        self.args = args
         self.running_reward = 0
         self.reward_threshold = gym.spec(ENV_ID).reward_threshold
         self.episode_rewards, self.running_rewards = [], []
@@ -266,7 +265,7 @@ class Agent:
         sum over the rewards of all observers, so that one episode's return leaks into another's)."""
         returns = []
         for r in self.rewards[ob_id][::-1]:
-            R = r + self.gamma * R
+            R = r + self.args.gamma * R
             returns.insert(0, R)
         return returns
 
@@ -374,14 +373,12 @@ class BatchAgent(Agent):
 
     def __init__(self, world_size, args, saved=None):
         super().__init__(world_size, args, saved, BatchObserver)
-        self.args = args
         self.rewards = {(ob_id, index): [] for ob_id in self.rewards for index in range(args.envs_per_observer)}
         self.saved_log_probs = {env: [] for env in self.rewards}
         self.trajectory = {env: [] for env in self.rewards}  # (state, dropout mask, action) of every step
         self.rng = np.random.default_rng(args.seed)  # every random number drawn after the initial policy
         self.parameters = [parameter.detach().numpy() for parameter in self.policy.parameters()]  # views
         self.lock, self.waiting, self.playing = threading.Lock(), {}, set()  # requests to answer; observers playing
-        self.step_rpcs = self.forwards = 0
 
     def run_episode(self):
         """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent."""
@@ -398,14 +395,13 @@ class BatchAgent(Agent):
         once every observer still playing has asked. Requests arrive on several RPC threads: hence the lock."""
         actions = torch.futures.Future()
         with self.lock:
-            self.step_rpcs += 1
             for index, reward in rewards.items():
                 self.rewards[ob_id, index].append(reward)
             self.waiting[ob_id] = (states, actions)
             ready = self.waiting.keys() >= self.playing
             if ready:
                 requests, self.waiting = sorted(self.waiting.items()), {}
-                self.playing = {ob_id for ob_id, (states, _) in requests if states}
+                self.playing = {ob_id for ob_id, (ob_states, _) in requests if ob_states}
         if ready:
             self.act(requests)
         return actions
@@ -423,7 +419,6 @@ class BatchAgent(Agent):
         actions = (self.rng.random(len(envs)) >= probs[:, 0]).astype(np.int64)  # action 1 with probability probs[:, 1]
         for env, state, mask, action in zip(envs, states, masks, actions):
             self.trajectory[env].append((state, mask, action))
-        self.forwards += len(envs) > 0
         answers = iter(actions.tolist())
         for _, (ob_states, future) in requests:
             future.set_result([next(answers) for _ in ob_states])
@@ -447,7 +442,7 @@ class BatchAgent(Agent):
         the sum goes on with the last reward forever, r / (1 - gamma), so that a policy that balances to the limit
         sees equal returns at every step, hence no update."""
         if self.truncated[env] and self.args.truncation == "bootstrap":
-            R = self.rewards[env][-1] / (1 - self.gamma)
+            R = self.rewards[env][-1] / (1 - self.args.gamma)
         return super().discounted_returns(env, R)
 
     def update_running_reward(self, episode_rewards):
@@ -468,7 +463,7 @@ def numpy_probs(parameters, states, masks=1.0):
 
 # --- Beyond the tutorial: checkpoints that resume exactly, --save, greedy evaluation, --plot, the result line ---
 
-PROGRESS = ("running_reward", "episode_rewards", "running_rewards", "step_rpcs", "forwards")
+PROGRESS = ("running_reward", "episode_rewards", "running_rewards")
 
 
 class CheckpointedAgent(BatchAgent):
@@ -527,8 +522,8 @@ class CheckpointedAgent(BatchAgent):
         if self.args.plot:
             plot_learning_curve(self, self.args.plot)
         super().report(solved, wall_time, steps, envs_per_observer=self.args.envs_per_observer,
-                       step_rpcs=self.step_rpcs, forwards=self.forwards, truncation=self.args.truncation,
-                       eval_rewards=eval_rewards, resumed_after_episodes=self.resumed_after)
+                       truncation=self.args.truncation, eval_rewards=eval_rewards,
+                       resumed_after_episodes=self.resumed_after)
 
 
 def plot_learning_curve(agent, path):
