@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import typing
@@ -72,7 +73,7 @@ def by_episode(result):
 
 
 @pytest.mark.parametrize("envs", [1, 3])
-def test_one_rpc_per_observer_step_one_forward_per_step_and_the_same_episodes_from_the_same_seed(tmp_path, envs):
+def test_two_observers_give_the_same_episodes_from_the_same_seed(tmp_path, envs):
     """Two observers with `envs` environments each, the same command twice at once (which also shows that runs at
     once do not collide): the batches of every step are formed in observer order, so a seed gives one run."""
     plot = tmp_path / "curve.png"
@@ -86,13 +87,72 @@ def test_one_rpc_per_observer_step_one_forward_per_step_and_the_same_episodes_fr
     assert len(set(columns)) == 2 * envs  # every environment plays episodes of its own (seeds drawn by the agent)
     # CartPole pays 1 per step, so the rewards count the env steps the observers reported
     assert result["env_steps"] == sum(map(sum, result["episode_rewards"]))
-    # one RPC per observer step for all its environments still playing, and one more with the last rewards
-    assert result["step_rpcs"] == sum(max(observer) + 1 for episode in by_episode(result) for observer in episode)
-    # one forward per step for all observers: as many as the longest episode of each update
-    assert result["forwards"] == sum(map(max, result["episode_rewards"]))
-    assert result["forwards"] < result["step_rpcs"]
     assert len(result["eval_rewards"]) == 2
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class RecordingAgent:
+    """Stands for the agent's RRef in BatchObserver.run_episode: records each select_action request and answers
+    action 0 for environment 0, action 1 for the others (so that their episodes last differently)."""
+
+    def __init__(self):
+        self.requests = []
+
+    def rpc_sync(self):
+        return self
+
+    def select_action(self, ob_id, states, rewards):
+        self.requests.append((ob_id, dict(states), dict(rewards)))
+        return [int(index > 0) for index in states]
+
+
+def test_an_observer_sends_one_rpc_per_step_for_all_its_environments():
+    """BatchObserver.run_episode with 3 environments: one request per step with the states of the environments
+    still playing and the rewards of their previous actions, and a last one without states; the tutorial sends two
+    per step and environment."""
+    observer = object.__new__(rpc_rl.BatchObserver)
+    observer.id, observer.envs = 7, [gym.make(rpc_rl.ENV_ID) for _ in range(3)]
+    observer.env = observer.envs[0]
+    agent = RecordingAgent()
+    truncated = observer.run_episode(agent, [11, 12, 13])
+    assert truncated == {(7, 0): False, (7, 1): False, (7, 2): False}  # pushed one way, the pole falls
+    lengths = [sum(index in states for _, states, _ in agent.requests) for index in range(3)]
+    assert len(agent.requests) == max(lengths) + 1 and agent.requests[-1][1] == {}
+    assert all(ob_id == 7 for ob_id, _, _ in agent.requests) and agent.requests[0][2] == {}
+    for (_, before, _), (_, _, rewards) in zip(agent.requests, agent.requests[1:]):
+        assert set(rewards) == set(before) and set(rewards.values()) == {1.0}  # the previous actions' rewards
+    again = RecordingAgent()  # the same seeds, the same episodes
+    observer.run_episode(again, [11, 12, 13])
+    assert again.requests == agent.requests
+
+
+def test_the_agent_answers_every_observer_of_a_step_with_one_forward():
+    """BatchAgent.select_action: requests wait until every observer still playing has asked, then one forward (act)
+    answers them all, in observer order; an observer whose environments have all ended asks once more, without
+    states, and the others no longer wait for it."""
+    agent = object.__new__(rpc_rl.BatchAgent)
+    torch.manual_seed(0)
+    agent.policy = rpc_rl.Policy()
+    agent.parameters = [parameter.detach().numpy() for parameter in agent.policy.parameters()]
+    agent.rng, agent.lock, agent.waiting, agent.playing = np.random.default_rng(0), threading.Lock(), {}, {1, 2}
+    agent.rewards = {(ob_id, index): [] for ob_id in (1, 2) for index in range(2)}
+    agent.trajectory = {env: [] for env in agent.rewards}
+    forwards = []
+    act = agent.act
+    agent.act = lambda requests: forwards.append([ob_id for ob_id, _ in requests]) or act(requests)
+    state = [0.01, 0.02, 0.03, 0.04]
+    one = agent.select_action(2, {0: state, 1: state}, {})
+    assert not one.done() and forwards == []  # observer 1 has not asked yet
+    two = agent.select_action(1, {1: state}, {0: 1.0})
+    assert one.done() and two.done() and forwards == [[1, 2]]
+    assert len(one.value()) == 2 and len(two.value()) == 1 and set(one.value() + two.value()) <= {0, 1}
+    assert agent.rewards[1, 0] == [1.0] and len(agent.trajectory[1, 1]) == len(agent.trajectory[2, 0]) == 1
+    last = agent.select_action(1, {}, {1: 1.0})  # observer 1's episodes have ended
+    assert not last.done()
+    three = agent.select_action(2, {1: state}, {0: 1.0, 1: 1.0})
+    assert last.value() == [] and len(three.value()) == 1 and forwards == [[1, 2], [1, 2]] and agent.playing == {2}
+    four = agent.select_action(2, {1: state}, {1: 1.0})  # now observer 2 alone
+    assert four.done() and forwards[-1] == [2] and agent.rewards[2, 1] == [1.0, 1.0]
 
 
 def greedy_rewards(policy, seed, episodes):
@@ -143,7 +203,7 @@ def test_the_tutorials_code_runs_alone_and_learns():
     """--tutorial: the story's Agent and Observer, two RPCs per step, one forward with autograd per request."""
     result = finish(start_rpc_rl("--tutorial", "--max-episodes", 40, "--seed", 3, "--log-interval", 40))
     rewards = [reward for (reward,) in result["episode_rewards"]]
-    assert result["episodes"] == 40 and "step_rpcs" not in result and result["env_steps"] == sum(rewards)
+    assert result["episodes"] == 40 and "eval_rewards" not in result and result["env_steps"] == sum(rewards)
     assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
 
 
@@ -308,7 +368,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     assert result["resumed_after_episodes"] == int(resumed.group(1))
     assert [reward for (reward,) in result["episode_rewards"]] == SEED_3
     assert result["running_reward"] == SEED_3_RUNNING_REWARD and result["eval_rewards"] == SEED_3_EVAL
-    assert result["env_steps"] == sum(SEED_3) and result["step_rpcs"] == sum(SEED_3) + 40
+    assert result["env_steps"] == sum(SEED_3)
     assert common.load_checkpoint(checkpoint, "rpc_rl", "--resume")["progress"]["episode_rewards"] == [
         [reward] for reward in SEED_3]  # the last one, at the end
 
