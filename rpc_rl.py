@@ -375,7 +375,8 @@ class BatchAgent(Agent):
         super().__init__(world_size, args, saved, BatchObserver)
         self.rewards = {(ob_id, index): [] for ob_id in self.rewards for index in range(args.envs_per_observer)}
         self.saved_log_probs = {env: [] for env in self.rewards}
-        self.trajectory = {env: [] for env in self.rewards}  # (state, dropout mask, action) of every step
+        self.rows = {env: row for row, env in enumerate(self.rewards)}  # an environment's number in the trajectory
+        self.trajectory = []  # per step: the numbers of the environments playing, their states, masks and actions
         self.rng = np.random.default_rng(args.seed)  # every random number drawn after the initial policy
         self.parameters = [parameter.detach().numpy() for parameter in self.policy.parameters()]  # views
         self.lock, self.waiting, self.playing = threading.Lock(), {}, set()  # requests to answer; observers playing
@@ -413,12 +414,12 @@ class BatchAgent(Agent):
         only then can the next step's requests arrive."""
         envs = [(ob_id, index) for ob_id, (ob_states, _) in requests for index in ob_states]
         states = np.array([state for _, (ob_states, _) in requests for state in ob_states.values()], np.float32)
+        states = states.reshape(len(envs), 4)  # 4 numbers, also when no environment is left
         keep = 1 - self.policy.dropout.p  # inverted dropout, as nn.Dropout
         masks = (self.rng.random((len(envs), self.policy.affine1.out_features)) < keep) / np.float32(keep)
-        probs = numpy_probs(self.parameters, states.reshape(len(envs), 4), masks)
+        probs = numpy_probs(self.parameters, states, masks)
         actions = (self.rng.random(len(envs)) >= probs[:, 0]).astype(np.int64)  # action 1 with probability probs[:, 1]
-        for env, state, mask, action in zip(envs, states, masks, actions):
-            self.trajectory[env].append((state, mask, action))
+        self.trajectory.append((np.array([self.rows[env] for env in envs], int), states, masks, actions))
         answers = iter(actions.tolist())
         for _, (ob_states, future) in requests:
             future.set_result([next(answers) for _ in ob_states])
@@ -426,12 +427,12 @@ class BatchAgent(Agent):
     def finish_episode(self):
         """The saved log-probabilities, computed again in torch: one forward for every step of every episode, with
         the dropout masks the actions were sampled with; then the tutorial's update."""
-        steps = [step for env in self.rewards for step in self.trajectory[env]]
-        states, masks, actions = (torch.from_numpy(np.stack(column)) for column in zip(*steps))
+        rows, states, masks, actions = (torch.from_numpy(np.concatenate(column)) for column in zip(*self.trajectory))
         probs = F.softmax(self.policy.affine2(F.relu(self.policy.affine1(states) * masks)), dim=1)
-        log_probs = Categorical(probs).log_prob(actions).split([len(self.trajectory[env]) for env in self.rewards])
-        for env, env_log_probs in zip(self.rewards, log_probs):
-            self.saved_log_probs[env], self.trajectory[env] = [env_log_probs], []
+        log_probs = Categorical(probs).log_prob(actions)
+        for env, row in self.rows.items():
+            self.saved_log_probs[env] = [log_probs[rows == row]]  # in the order of its steps
+        self.trajectory = []
         return super().finish_episode()
 
     def discounted_returns(self, env, R=0.0):

@@ -136,7 +136,7 @@ def test_the_agent_answers_every_observer_of_a_step_with_one_forward():
     agent.parameters = [parameter.detach().numpy() for parameter in agent.policy.parameters()]
     agent.rng, agent.lock, agent.waiting, agent.playing = np.random.default_rng(0), threading.Lock(), {}, {1, 2}
     agent.rewards = {(ob_id, index): [] for ob_id in (1, 2) for index in range(2)}
-    agent.trajectory = {env: [] for env in agent.rewards}
+    agent.rows, agent.trajectory = {env: row for row, env in enumerate(agent.rewards)}, []
     forwards = []
     act = agent.act
     agent.act = lambda requests: forwards.append([ob_id for ob_id, _ in requests]) or act(requests)
@@ -146,7 +146,7 @@ def test_the_agent_answers_every_observer_of_a_step_with_one_forward():
     two = agent.select_action(1, {1: state}, {0: 1.0})
     assert one.done() and two.done() and forwards == [[1, 2]]
     assert len(one.value()) == 2 and len(two.value()) == 1 and set(one.value() + two.value()) <= {0, 1}
-    assert agent.rewards[1, 0] == [1.0] and len(agent.trajectory[1, 1]) == len(agent.trajectory[2, 0]) == 1
+    assert agent.rewards[1, 0] == [1.0] and agent.trajectory[0][0].tolist() == [1, 2, 3]  # (1, 1), (2, 0), (2, 1)
     last = agent.select_action(1, {}, {1: 1.0})  # observer 1's episodes have ended
     assert not last.done()
     three = agent.select_action(2, {1: state}, {0: 1.0, 1: 1.0})
@@ -239,8 +239,9 @@ def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutor
         made = object.__new__(cls)
         made.policy = copy.deepcopy(policy)
         made.optimizer = torch.optim.SGD(made.policy.parameters(), lr=1.0)  # the step is the gradient
-        vars(made).update(eps=np.finfo(np.float32).eps.item(), gamma=0.99, running_reward=0, episode_rewards=[],
-                          running_rewards=[], rewards=copy.deepcopy(rewards), **fields)
+        vars(made).update(eps=np.finfo(np.float32).eps.item(), running_reward=0, episode_rewards=[],
+                          running_rewards=[], rewards=copy.deepcopy(rewards),
+                          args=types.SimpleNamespace(gamma=0.99, truncation="terminal", envs_per_observer=2), **fields)
         return made
 
     # two episodes of 10 and 20 steps: of one observer each for the tutorial, of one observer's 2 environments here
@@ -252,13 +253,13 @@ def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutor
             probs = tutorial.policy(torch.from_numpy(states[seed])[None])
             action = torch.tensor([steps[seed][2]])
             tutorial.saved_log_probs[ob_id].append(torch.distributions.Categorical(probs).log_prob(action))
-    trajectory = {(1, 0): [], (1, 1): []}
-    for env, (start, stop) in zip(trajectory, ((0, 10), (10, 30))):
-        trajectory[env] = [(state, mask, np.int64(action)) for state, (_, mask, action)
-                           in zip(states[start:stop], steps[start:stop])]
+    # as BatchAgent.act records them, step by step: environment 1 alone after environment 0's 10 steps
+    trajectory = [(np.array(rows), states[list(indices)], np.stack([steps[i][1] for i in indices]),
+                   np.array([steps[i][2] for i in indices])) for rows, indices in
+                  [([0, 1], (t, 10 + t)) for t in range(10)] + [([1], (10 + t,)) for t in range(10, 20)]]
     batched = agent(rpc_rl.BatchAgent, {(1, 0): episodes[0], (1, 1): episodes[1]}, trajectory=trajectory,
-                    saved_log_probs={(1, 0): [], (1, 1): []}, truncated={(1, 0): False, (1, 1): False},
-                    args=types.SimpleNamespace(truncation="terminal", envs_per_observer=2))
+                    rows={(1, 0): 0, (1, 1): 1}, saved_log_probs={(1, 0): [], (1, 1): []},
+                    truncated={(1, 0): False, (1, 1): False})
     assert tutorial.finish_episode() == batched.finish_episode() == min(lengths)
     for expected, parameter in zip(tutorial.policy.parameters(), batched.policy.parameters()):
         torch.testing.assert_close(parameter, expected, rtol=1e-5, atol=1e-6)
@@ -269,13 +270,14 @@ def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutor
 
 def test_returns_end_at_a_failure_and_go_on_past_the_time_limit():
     gamma = 0.9
-    tutorial = types.SimpleNamespace(gamma=gamma, rewards={1: [1.0, 1.0, 1.0], 2: [1.0, 0.0, 2.0]})
+    tutorial = types.SimpleNamespace(args=types.SimpleNamespace(gamma=gamma),
+                                     rewards={1: [1.0, 1.0, 1.0], 2: [1.0, 0.0, 2.0]})
     np.testing.assert_allclose(rpc_rl.Agent.discounted_returns(tutorial, 1), [2.71, 1.9, 1.0])
     np.testing.assert_allclose(rpc_rl.Agent.discounted_returns(tutorial, 2), [1 + 0.81 * 2, 1.8, 2.0])
     batched = object.__new__(rpc_rl.BatchAgent)
-    vars(batched).update(gamma=gamma, rewards={(1, 0): [1.0] * 5, (1, 1): [0.0, 1.0], (2, 0): [1.0, 1.0]},
+    vars(batched).update(rewards={(1, 0): [1.0] * 5, (1, 1): [0.0, 1.0], (2, 0): [1.0, 1.0]},
                          truncated={(1, 0): True, (1, 1): True, (2, 0): False},
-                         args=types.SimpleNamespace(truncation="bootstrap"))
+                         args=types.SimpleNamespace(gamma=gamma, truncation="bootstrap"))
     # truncated: the last reward goes on forever, so a policy that kept the pole up sees equal returns
     np.testing.assert_allclose(batched.discounted_returns((1, 0)), [10.0] * 5)
     np.testing.assert_allclose(batched.discounted_returns((1, 1)), [9.0, 10.0])
