@@ -515,9 +515,11 @@ BAD_INVOCATIONS = [
     ("--seed 12345678901234567890", "--seed 12345678901234567890: not a seed from 0 to 2**32 - 1"),  # new
     ("--truncation never", "argument --truncation: invalid choice: 'never'"),
     # flags that do not fit together
-    ("--tutorial --envs-per-observer 4", "--tutorial runs the tutorial's code alone; drop --envs-per-observer"),  # new
-    ("--tutorial --truncation bootstrap", "--tutorial runs the tutorial's code alone; drop --truncation bootstrap"),
-    ("--tutorial --eval-episodes 2 --plot {tmp}/c.png", "; drop --eval-episodes, --plot"),  # new
+    ("--tutorial --envs-per-observer 4", "--tutorial runs the tutorial's code alone: leave out --envs-per-observer, "
+     "--truncation bootstrap, --eval-episodes, --save, --plot and --checkpoint-dir"),  # new
+    ("--tutorial --truncation bootstrap", "--tutorial runs the tutorial's code alone: leave out"),  # new
+    ("--tutorial --eval-episodes 2 --plot {tmp}/c.png", "--tutorial runs the tutorial's code alone: leave out"),  # new
+    ("--tutorial --checkpoint-dir {tmp}/ck --resume", "--tutorial runs the tutorial's code alone: leave out"),  # new
     ("--resume", "--resume needs --checkpoint-dir"),
     # empty values: never "not given"
     ("--checkpoint-dir=", "--checkpoint-dir '': an empty value"),  # new
