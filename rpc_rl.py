@@ -1,37 +1,36 @@
 """Distributed REINFORCE on CartPole-v1 with torch.distributed.rpc and RRef: one agent, N observers.
 
-The agent (rank 0) owns the policy and learns; each observer (ranks 1..W-1) owns CartPole environments and
-plays them. The agent creates the observers remotely (`rpc.remote`), keeps their RRefs, and starts one episode
-on every observer at once (`rpc_async`), handing over its own RRef; an observer asks the agent for an action at
-every step (`rpc_sync`), and when all episodes have ended the agent makes one REINFORCE update from all of them.
-This is part 1 of PyTorch's tutorial "Getting started with the distributed RPC framework", made bounded,
-reproducible and faster: one RPC per step instead of two, and (beyond the tutorial, at the end of this file)
-one batched forward for all observers of a step, acting in numpy, several environments per observer,
-checkpoints that resume exactly, and a run that ends cleanly when a process dies or hangs.
+Part 1 of PyTorch's tutorial "Getting started with the distributed RPC framework", bounded and reproducible. The
+agent (rank 0) owns the policy and learns; each observer (ranks 1..N-1) owns a CartPole environment and plays it.
+The agent creates the observers remotely (`rpc.remote`), keeps their RRefs and starts an episode on every observer
+at once (`rpc_async`), handing over its own RRef; an observer asks the agent for an action at every step
+(`rpc_sync`), and once every episode has ended the agent makes one REINFORCE update from all of them. The
+tutorial's code comes first, and `--tutorial` runs it alone. What runs by default builds on it below the banners:
+one RPC per step instead of two, one forward for all observers of a step, computed in numpy, several environments
+per observer, the returns of time-limited episodes bootstrapped, checkpoints that resume exactly, a saved policy,
+its greedy evaluation and a learning curve.
 
 Commands:
     python rpc_rl.py                                  # agent + 1 observer on this machine, until solved
+    python rpc_rl.py --tutorial                       # the tutorial's code alone
     python rpc_rl.py --world-size 5                   # agent + 4 observers
     python rpc_rl.py --envs-per-observer 16           # agent + 1 observer stepping 16 environments
     python rpc_rl.py --max-episodes 50 --save policy.pt --eval-episodes 5 --plot curve.png
     python rpc_rl.py --load policy.pt --max-episodes 0 --eval-episodes 10    # greedy evaluation only
     python rpc_rl.py --checkpoint-dir ckpt --resume   # the same command again continues where it stopped
-    python rpc_rl.py --cuda                           # the agent's policy on GPU 0
     torchrun --standalone --nproc-per-node 3 rpc_rl.py
     # two machines, the agent (rank 0) on the first; run on both, NODE_RANK 0 and 1:
     torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 2 --master-addr $MASTER_ADDR \\
         --master-port 29500 rpc_rl.py
 
-Last lines of `python rpc_rl.py` (seed 1: 354 episodes, 30-45 s of training on a 2-core CPU; seeds 1-5 solve
-in 257-357 episodes):
-    episode 350 | last reward 500 | running reward 469.9 | 1458 steps/s
-    solved: running reward 475.5 > 475 after 354 episodes
-    {"script": "rpc_rl", "solved": true, "episodes": 354, "updates": 354, "env_steps": 62957, ...}
+Last lines of `python rpc_rl.py`: a log line every --log-interval episodes (its steps/s count from the start of
+training), the line that says it solved CartPole, then the result as one JSON line:
+    episode E | last reward R | running reward 4xx.x | S steps/s
+    solved: running reward 47x.x > 475 after E episodes
+    {"script": "rpc_rl", "solved": true, "episodes": E, "env_steps": N, "wall_time_s": T, "steps_per_s": S, ...}
 """
 
 import contextlib
-import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -43,31 +42,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.optim as optim
 from torch.distributed import rpc
-from torch.distributed.rpc import RRef
+from torch.distributed.rpc import RRef, remote
 from torch.distributions import Categorical
 
-from common import (
-    RunFailed,
-    UsageError,
-    check,
-    check_input_file,
-    check_output_dir,
-    check_output_file,
-    cuda_device_count,
-    emit_result,
-    init_rpc,
-    launch,
-    launched_by_torchrun,
-    load_checkpoint,
-    parse_args,
-    pick_device,
-    pin_to_one_cpu,
-    process_count,
-    run_main,
-    save_checkpoint,
-    seed_everything,
-)
+import common
+from common import FigureFile, InFile, NonNegative, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
 
 AGENT_NAME = "agent"
 OBSERVER_NAME = "observer{}"
@@ -76,623 +57,54 @@ ENV_ID = "CartPole-v1"
 
 @dataclass
 class Args:
-    world_size: int = 2
-    """processes: rank 0 is the agent, ranks 1..W-1 are observers (under torchrun, its WORLD_SIZE)"""
-    envs_per_observer: int = 1
-    """K: CartPole environments per observer, stepped together with one RPC per step"""
-    max_episodes: int = 2000
-    """stop after this many episodes per observer (a multiple of K) unless solved before"""
-    gamma: float = 0.99
-    """discount factor for future rewards"""
-    truncation: Literal["bootstrap", "terminal"] = "bootstrap"
-    """returns of an episode cut short by the 500-step limit: bootstrapped, or ended as a failure as in the
-    tutorial (see discounted_returns)"""
-    lr: float = 1e-2
-    """Adam learning rate"""
-    seed: int = 1
-    """seed of the initial policy, of the environments and of the agent's random numbers"""
-    batch: bool = True
-    """answer all observers of a step with one policy forward (--no-batch: one forward per request)"""
-    log_interval: int = 10
-    """episodes (per observer) between two log lines"""
-    save: Optional[str] = None
-    """write the trained policy to this file"""
-    load: Optional[str] = None
-    """start from the policy in this file (written by --save, or a checkpoint)"""
-    eval_episodes: int = 0
-    """after training, play this many greedy episodes per observer (a multiple of K)"""
-    plot: Optional[str] = None
-    """write the learning curve to this PNG file"""
-    checkpoint_dir: Optional[str] = None
-    """write a checkpoint (rpc_rl.pt) into this folder every --checkpoint-interval episodes and at the end"""
-    checkpoint_interval: int = 50
-    """episodes (per observer) between two checkpoints"""
+    # The tutorial's settings
+    world_size: Positive = 2
+    """processes: rank 0 is the agent, the others are observers (under torchrun, its WORLD_SIZE)"""
+    log_interval: Positive = 10
+    """episodes between two log lines"""
+    gamma: PositiveFloat = 0.99
+    """discount factor for future rewards, at most 1"""
+    seed: Seed = 1
+    """seed of the initial policy, of the agent's random numbers and of the environments"""
+    lr: PositiveFloat = 1e-2
+    """Adam's learning rate"""
+    max_episodes: NonNegative = 2000
+    """stop after this many episodes unless solved before (in an episode, every environment plays one)"""
+    tutorial: bool = False
+    """run the tutorial's code alone: two RPCs per step, one forward per request, one environment per observer"""
+    # Beyond the tutorial
+    envs_per_observer: Positive = 1
+    """environments each observer steps together, with one RPC per step for all of them"""
+    truncation: Optional[Literal["bootstrap", "terminal"]] = None
+    """returns of an episode that the 500-step limit cut short: bootstrapped, or ended there as after a failure
+    (the tutorial's way); not given: bootstrap, and terminal with --tutorial"""
+    eval_episodes: NonNegative = 0
+    """after training, play this many greedy episodes (the most probable action, no dropout)"""
+    # Output and checkpoints
+    save: Optional[OutFile] = None
+    """write the trained policy to this file; not given: not saved"""
+    load: Optional[InFile] = None
+    """start from the policy in this file (written by --save, or a checkpoint); not given: a new policy"""
+    plot: Optional[FigureFile] = None
+    """draw the learning curve into this .png, .pdf or .svg file; not given: no figure"""
+    checkpoint_dir: Optional[OutDir] = None
+    """write a checkpoint (rpc_rl.pt) into this folder every --checkpoint-interval episodes and at the end; not
+    given: no checkpoints"""
+    checkpoint_interval: Positive = 50
+    """episodes between two checkpoints"""
     resume: bool = False
-    """continue from the checkpoint in --checkpoint-dir, if there is one (see resume_or_load)"""
-    cuda: bool = False
-    """put the agent's policy on GPU 0 (observers stay on the CPU)"""
+    """continue from the checkpoint in --checkpoint-dir, if there is one, as if the run had not stopped"""
+    # Devices and launch
     pin_cpus: bool = True
-    """bind each process to a CPU of its own when there are enough (see set_up_process)"""
-    rpc_timeout: float = 20.0
-    """seconds after which an RPC to a silent process fails (it also bounds one episode)"""
-
-
-def validate(args):
-    """The rules of the flags, checked before any work starts: each broken rule is one line and exit status 2.
-    Files are checked by the agent's process (rank 0), which alone reads and writes them."""
-    processes = process_count(args.world_size)
-    check(processes >= 2, f"world size {processes}: need at least 2 processes (one agent, one observer)")
-    check(args.envs_per_observer >= 1, f"--envs-per-observer must be at least 1, not {args.envs_per_observer}")
-    check(args.max_episodes >= 0, f"--max-episodes must be 0 or more, not {args.max_episodes}")
-    check(args.eval_episodes >= 0, f"--eval-episodes must be 0 or more, not {args.eval_episodes}")
-    check(args.max_episodes > 0 or args.eval_episodes > 0, "nothing to do: give --max-episodes or --eval-episodes")
-    check(0 < args.gamma <= 1, f"--gamma must be in (0, 1], not {args.gamma}")
-    check(args.gamma < 1 or args.truncation == "terminal",
-          "--gamma 1 gives a truncated episode an infinite bootstrap value; use --truncation terminal")
-    check(args.lr > 0, f"--lr must be positive, not {args.lr}")
-    check(args.seed >= 0, f"--seed must be 0 or more, not {args.seed}")
-    check(args.log_interval >= 1, f"--log-interval must be at least 1, not {args.log_interval}")
-    check(args.checkpoint_interval >= 1, f"--checkpoint-interval must be at least 1, not {args.checkpoint_interval}")
-    check(args.rpc_timeout > 0, f"--rpc-timeout must be positive, not {args.rpc_timeout}")
-    check(not args.cuda or cuda_device_count() > 0, "--cuda: no CUDA GPU found; run without --cuda")
-    check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
-    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
-        return
-    if args.load:
-        check_input_file("--load", args.load)
-        read_policy(args.load, "--load")
-    for flag, path in (("--save", args.save), ("--plot", args.plot)):
-        if path:
-            check_output_file(flag, path)
-    if args.checkpoint_dir:
-        check_output_dir("--checkpoint-dir", args.checkpoint_dir)
-        path = checkpoint_path(args)
-        check(not path.is_dir(), f"--checkpoint-dir {args.checkpoint_dir}: {path} is a folder; remove it or pass "
-                                 f"another --checkpoint-dir")
-        if args.resume and path.exists():
-            check_input_file("--resume", path)
-            check_resumable(read_checkpoint(args), args, processes)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The tutorial: the policy, the observer, the agent
-# ---------------------------------------------------------------------------------------------------------
-
-class Policy(nn.Module):
-    """The tutorial's policy, 4 -> 128 -> 2 with dropout 0.6 on the hidden layer. Lives in the agent process.
-
-    The dropout mask is an argument instead of being drawn inside forward: the update recomputes the
-    probabilities the actions were sampled from, which needs the masks they were sampled with (see
-    ActionSampler). keep_mask=None is evaluation (no dropout).
-    """
-
-    hidden = 128
-    dropout = 0.6
-
-    def __init__(self):
-        super().__init__()
-        self.affine1 = nn.Linear(4, self.hidden)
-        self.affine2 = nn.Linear(self.hidden, 2)
-
-    def forward(self, states, keep_mask=None):
-        hidden = self.affine1(states)
-        if keep_mask is not None:
-            hidden = hidden * keep_mask
-        return F.softmax(self.affine2(F.relu(hidden)), dim=1)
-
-
-class Observer:
-    """Lives in an observer process, created there by the agent with rpc.remote: K CartPole environments
-    (--envs-per-observer; the tutorial's observer has one), played with the actions the agent chooses."""
-
-    def __init__(self, envs, batch):
-        self.id = rpc.get_worker_info().id
-        self.envs = [gym.make(ENV_ID) for _ in range(envs)]
-        # the tutorial's protocol answers each request on its own (--no-batch); see select_action_batch
-        self.select_action = select_action_batch if batch else Agent.select_action
-
-    def run_episode(self, agent_rref, seeds=None):
-        """Play one episode on each environment; returns, per environment, (last reward, env steps, whether the
-        time limit cut the episode short rather than the pole falling).
-
-        ONE RPC per step for all environments still playing (the tutorial sends two: select_action, then
-        report_reward): the request carries their indices, their new states and the rewards of their previous
-        actions; the reward of a final action travels back in this method's return value. An environment whose
-        episode ended waits for the others: an update learns from one episode of each. States travel as tuples
-        of 4 floats, which unpickle faster than numpy arrays.
-        """
-        seeds = seeds or [None] * len(self.envs)
-        states = [tuple(env.reset(seed=seed)[0].tolist()) for env, seed in zip(self.envs, seeds)]
-        playing, rewards = tuple(range(len(self.envs))), None
-        endings = [None] * len(self.envs)
-        agent = agent_rref.owner()
-        for step in range(1, self.envs[0].spec.max_episode_steps + 1):
-            # The agent's RRef travels with each request so that the agent finds its Agent object without a
-            # process-global table; the RRef protocol acknowledges it with one more message per step.
-            actions = rpc.rpc_sync(agent, self.select_action, args=(agent_rref, self.id, playing, states, rewards))
-            still_playing, states, rewards = [], [], []
-            for index, action in zip(playing, actions):
-                state, reward, terminated, truncated, _ = self.envs[index].step(action)
-                if terminated or truncated:
-                    endings[index] = (float(reward), step, truncated and not terminated)
-                else:
-                    still_playing.append(index)
-                    states.append(tuple(state.tolist()))
-                    rewards.append(reward)
-            playing = tuple(still_playing)
-            if not playing:
-                break
-        return endings
-
-
-def discounted_returns(rewards, gamma, bootstrap=False):
-    """Return G_t = r_t + gamma * G_{t+1} at every step of one episode.
-
-    bootstrap=False ends the sum at the last step: the episode ended in a failure (the tutorial treats every
-    ending so, --truncation terminal). bootstrap=True (--truncation bootstrap, the default) is for an episode the
-    time limit cut short (gymnasium's `truncated`): CartPole's 500-step limit is not part of the task, and ending
-    the sum there would teach the policy that its last actions, which kept the pole up, were its worst ones;
-    once it balances for the whole episode, every update would then push it away from what it does, and runs
-    swing between 500 and a few hundred for hundreds of episodes. REINFORCE has no value function to bootstrap
-    from, so the sum continues with the last reward forever, r / (1 - gamma): in CartPole, the pole stays up. A
-    policy that balances to the limit then sees equal returns at every step, hence no update, and stays there.
-    """
-    discounted = rewards[-1] / (1 - gamma) if bootstrap else 0.0
-    returns = []
-    for reward in reversed(rewards):
-        discounted = reward + gamma * discounted
-        returns.append(discounted)
-    return returns[::-1]
-
-
-class Agent:
-    """Lives in the agent process (rank 0): the policy and its optimizer, the observers' RRefs, the episodes
-    being played, per environment (key: observer id, environment index), and the run's progress."""
-
-    def __init__(self, args, world_size, device):
-        self.args, self.device = args, device
-        seed_everything(args.seed)  # the same initial policy for a given seed
-        self.policy = Policy().to(device)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=args.lr)
-        self.eps = np.finfo(np.float32).eps.item()
-        self.reward_threshold = gym.spec(ENV_ID).reward_threshold
-        self.agent_rref = RRef(self)
-        self.observer_rrefs = {rank: rpc.remote(OBSERVER_NAME.format(rank), Observer,
-                                                args=(args.envs_per_observer, args.batch))
-                               for rank in range(1, world_size)}  # an observer's id (its RPC worker id) is its rank
-        # every environment, observer by observer: the order of the episodes in an update
-        self.envs = [(rank, index) for rank in self.observer_rrefs for index in range(args.envs_per_observer)]
-        self.rewards = {env: [] for env in self.envs}
-        self.truncated = {}  # environment -> whether the time limit cut its last episode short
-        # the run's progress: what the log, the result and the checkpoints report
-        self.running_reward, self.running_rewards, self.episode_rewards = 0.0, [], []
-        self.updates = self.env_steps = self.truncated_episodes = 0
-        # beyond the tutorial: how actions are chosen and batched
-        self.sampler = ActionSampler(self.policy, self.envs, args.seed)
-        self.batcher = ActionBatcher(self.sampler.act)
-
-    @staticmethod
-    def select_action(agent_rref, observer_id, envs, states, rewards):
-        """Called by an observer at every step: the actions of its environments `envs` (indices) in `states`,
-        whose previous actions earned `rewards` (None at the first step). This is the tutorial's protocol, one
-        forward per request (--no-batch); select_action_batch answers all observers of a step at once."""
-        self = agent_rref.local_value()
-        self.record_rewards(observer_id, envs, rewards)
-        return self.sampler.act([(observer_id, envs, states)])[0]
-
-    def record_rewards(self, observer_id, envs, rewards):
-        if rewards is not None:
-            for index, reward in zip(envs, rewards):
-                self.rewards[observer_id, index].append(reward)
-
-    def run_episode(self, greedy=False, seeds=None):
-        """One episode on every environment of every observer at once; returns ({(observer id, env index):
-        episode reward}, env steps). seeds: {observer id: [seed of each of its environments]}, or None."""
-        self.sampler.greedy = greedy
-        self.batcher.expect(self.observer_rrefs)
-        episodes = {}
-        for ob_id, ob_rref in self.observer_rrefs.items():
-            episode = ob_rref.rpc_async().run_episode(self.agent_rref, seeds and seeds[ob_id])
-            episodes[ob_id] = self.batcher.watch(ob_id, episode)  # batching: see ActionBatcher
-        env_steps = 0
-        for ob_id, episode in episodes.items():
-            for index, (last_reward, steps, truncated) in enumerate(episode.wait()):
-                self.rewards[ob_id, index].append(last_reward)
-                self.truncated[ob_id, index] = truncated
-                env_steps += steps
-        episode_rewards = {env: sum(rewards) for env, rewards in self.rewards.items()}
-        if greedy:  # nothing to learn from
-            for env in self.envs:
-                self.rewards[env] = []
-        return episode_rewards, env_steps
-
-    def finish_episode(self):
-        """REINFORCE update from the episode of every environment; returns the smallest episode reward."""
-        returns, states, keep_masks, actions = [], [], [], []
-        for env in self.envs:
-            # discounted within this environment's own episode (the tutorial runs the sum across observers)
-            self.truncated_episodes += self.truncated[env]
-            bootstrap = self.truncated[env] and self.args.truncation == "bootstrap"
-            returns.extend(discounted_returns(self.rewards[env], self.args.gamma, bootstrap))
-            for state, keep_mask, action in self.sampler.take_trajectory(env):
-                states.append(state)
-                keep_masks.append(keep_mask)
-                actions.append(action)
-        episode_rewards = {env: sum(self.rewards[env]) for env in self.envs}
-        self.update_running_reward(episode_rewards)
-        returns = torch.tensor(returns, device=self.device)
-        if len(returns) > 1:
-            returns = (returns - returns.mean()) / (returns.std() + self.eps)
-        # the probabilities the actions were sampled from: one forward for all the episodes, same dropout masks
-        probs = self.policy(torch.from_numpy(np.stack(states)).to(self.device),
-                            torch.from_numpy(np.stack(keep_masks)).to(self.device))
-        log_probs = Categorical(probs=probs).log_prob(torch.tensor(actions, device=self.device))
-        loss = -(log_probs * returns).sum()
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        self.sampler.refresh(self.policy)
-        for env in self.envs:
-            self.rewards[env] = []
-        return min(episode_rewards.values())
-
-    def update_running_reward(self, episode_rewards):
-        """The tutorial's running reward: 0.05 * (the smallest episode reward over the observers) + 0.95 *
-        previous, after each episode; "solved" when it passes 475, CartPole-v1's threshold.
-
-        It counts episodes per observer. An update with K environments per observer plays K rounds at once
-        (round k: the episode of environment k on every observer), and each round enters the running reward as
-        the tutorial's episode does, round 0 first. K = 1 is the tutorial's rule; for any K the running reward
-        is the same function of the episodes played, so "solved" asks as much of them whatever K, and times to
-        solve compare across K.
-        """
-        for round_index in range(self.args.envs_per_observer):
-            smallest = min(reward for (_, index), reward in episode_rewards.items() if index == round_index)
-            self.running_reward = 0.05 * smallest + (1 - 0.05) * self.running_reward
-            self.running_rewards.append(self.running_reward)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The run: the agent's training loop, the processes, main
-# ---------------------------------------------------------------------------------------------------------
-
-def run_agent(args, world_size, device):
-    """The agent's loop: an episode on every environment, an update, a log line every --log-interval episodes,
-    until solved or --max-episodes; then the policy saved, the greedy evaluation and the result line."""
-    agent = Agent(args, world_size, device)
-    resumed_after = resume_or_load(agent, args)
-    observers, rounds = list(agent.observer_rrefs), len(agent.envs) // len(agent.observer_rrefs)
-    solved = agent.running_reward > agent.reward_threshold
-    start = interval_start = time.perf_counter()
-    steps_before, interval_steps = agent.env_steps, 0
-    while not solved and len(agent.episode_rewards) < args.max_episodes:
-        # only the first update seeds the environments; later ones continue their random streams
-        seeds = first_seeds(args.seed, observers, rounds, "env") if agent.updates == 0 else None
-        rewards, steps = agent.run_episode(seeds=seeds)
-        last_reward = agent.finish_episode()
-        agent.updates += 1
-        agent.env_steps += steps
-        interval_steps += steps
-        # one row per round of episodes (see Agent.update_running_reward), one reward per observer
-        agent.episode_rewards.extend([rewards[rank, index] for rank in observers] for index in range(rounds))
-        episode = len(agent.episode_rewards)
-        if passes_multiple(episode, rounds, args.log_interval):
-            now = time.perf_counter()
-            print(f"episode {episode} | last reward {last_reward:g} | running reward {agent.running_reward:.1f} | "
-                  f"{interval_steps / (now - interval_start):.0f} steps/s", flush=True)
-            interval_start, interval_steps = now, 0
-        solved = agent.running_reward > agent.reward_threshold
-        if solved:
-            print(f"solved: running reward {agent.running_reward:.1f} > {agent.reward_threshold:g} "
-                  f"after {episode} episodes", flush=True)
-        if args.checkpoint_dir and (solved or episode >= args.max_episodes
-                                    or passes_multiple(episode, rounds, args.checkpoint_interval)):
-            write_checkpoint(agent, args)
-    wall_time = time.perf_counter() - start
-    counts = {"step_rpcs": agent.sampler.requests, "forwards": agent.sampler.forwards}  # before the evaluation
-    if args.save:
-        save_policy(agent.policy, args.save)
-    eval_rewards = evaluate(agent, args.eval_episodes, observers, rounds)
-    report(agent, args, device, solved, wall_time, agent.env_steps - steps_before, counts, eval_rewards,
-           resumed_after)
-
-
-def run_worker(info, args):
-    """Every process: rank 0 becomes the agent and trains; the others serve the agent's RPCs as observers."""
-    set_up_process(info, args)
-    if info.rank == 0:
-        init_rpc(info, AGENT_NAME, timeout_s=args.rpc_timeout)
-        try:
-            # the GPU after the rendezvous: its first call can take seconds, which the observers would spend waiting
-            run_agent(args, info.world_size, pick_device(args.cuda))
-        except (UsageError, RunFailed):
-            # said in one line by common.launch; the observers are fine: they end with the agent, so that none
-            # reports a lost connection (should even that fail, the launcher ends them)
-            with contextlib.suppress(Exception):
-                rpc.shutdown()
-            raise
-    else:
-        init_rpc(info, OBSERVER_NAME.format(info.rank), timeout_s=args.rpc_timeout)
-    # observers serve the agent's RPCs until the agent is done and reaches this point too
-    rpc.shutdown()
-
-
-def main(argv=None):
-    args = parse_args(Args, argv)
-    validate(args)
-    launch(run_worker, process_count(args.world_size), args, timeout=args.rpc_timeout)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: acting in numpy, each observer with its own random numbers
-# ---------------------------------------------------------------------------------------------------------
-
-class ActionSampler:
-    """Lives in the agent process: chooses the actions from a numpy copy of the policy and records every step
-    (state, dropout mask, action) for the update; counts the requests (step_rpcs) and forwards.
-
-    Each observer's dropout masks and action samples come from its own generator, drawn in the order of its
-    environments: its actions do not depend on when the other observers' requests arrive, so a seed gives the
-    same run with or without batching. (Categorical.sample would draw from torch's global generator, shared by
-    all observers.) Several RPC threads may call act at once (--no-batch); each observer has one request in
-    flight, so only the shared records need the lock.
-    """
-
-    def __init__(self, policy, envs, seed):
-        self.lock = threading.Lock()
-        self.parameters = numpy_parameters(policy)
-        observers = sorted({rank for rank, _ in envs})
-        self.generators = {rank: np.random.default_rng(observer_seed(seed, rank, "agent")) for rank in observers}
-        self.trajectory = {env: [] for env in envs}
-        self.greedy = False  # argmax, no dropout (the greedy evaluation)
-        self.requests = self.forwards = 0
-
-    def refresh(self, policy):
-        """After every update: acting uses the new parameters (one copy per update, not a device trip per step)."""
-        self.parameters = numpy_parameters(policy)
-
-    def act(self, requests):
-        """The actions for requests [(observer id, env indices, states)], from one forward of all their states."""
-        states = np.array([state for _, _, request_states in requests for state in request_states],
-                          dtype=np.float32)
-        if self.greedy:
-            actions = numpy_probs(self.parameters, states).argmax(axis=1)
-        else:
-            noise = np.concatenate([self.generators[ob_id].random((len(envs), Policy.hidden + 1))
-                                    for ob_id, envs, _ in requests])
-            keep_masks = dropout_keep_mask(noise[:, :-1])
-            probs = numpy_probs(self.parameters, states, keep_masks)
-            # inverse-CDF sampling with the observer's own uniform number
-            actions = (noise[:, -1:] > probs.cumsum(axis=1)).sum(axis=1).clip(max=probs.shape[1] - 1)
-        actions = actions.tolist()
-        with self.lock:
-            self.requests += len(requests)
-            self.forwards += 1
-            if not self.greedy:
-                rows = [(ob_id, index) for ob_id, envs, _ in requests for index in envs]
-                for env, state, keep_mask, action in zip(rows, states, keep_masks, actions):
-                    self.trajectory[env].append((state, keep_mask, action))
-        answers, start = [], 0
-        for _, envs, _ in requests:
-            answers.append(actions[start:start + len(envs)])
-            start += len(envs)
-        return answers
-
-    def take_trajectory(self, env):
-        """The steps of env's episode since the last update, [(state, keep_mask, action)], and forget them."""
-        with self.lock:
-            steps, self.trajectory[env] = self.trajectory[env], []
-        return steps
-
-
-def numpy_parameters(policy):
-    """The policy's parameters as numpy arrays (float32, on the CPU), for numpy_probs."""
-    return [parameter.detach().cpu().numpy().copy() for parameter in
-            (policy.affine1.weight, policy.affine1.bias, policy.affine2.weight, policy.affine2.bias)]
-
-
-def numpy_probs(parameters, states, keep_mask=None):
-    """Policy.forward in numpy (float32, equal to the torch forward within rounding; a test checks it).
-
-    A step's forward is a small 4->128->2 product (a row per environment still playing) on the critical path of
-    every environment step; torch's fixed cost per operator call, times the ~20 calls it takes, is several
-    times what numpy needs for it. The policy learns in torch, on its own device (GPU with --cuda).
-    """
-    weight1, bias1, weight2, bias2 = parameters
-    hidden = states @ weight1.T + bias1
-    if keep_mask is not None:
-        hidden *= keep_mask
-    logits = np.maximum(hidden, 0) @ weight2.T + bias2
-    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return exp / exp.sum(axis=1, keepdims=True)
-
-
-def dropout_keep_mask(uniform):
-    """Inverted-dropout mask (float32) from uniform noise [n, hidden], scaled like nn.Dropout(Policy.dropout)."""
-    return (uniform >= Policy.dropout).astype(np.float32) / np.float32(1 - Policy.dropout)
-
-
-def observer_seed(seed, rank, purpose, env_index=0):
-    """Distinct seed per (run seed, observer rank, purpose, environment index); purpose "env" (training
-    episodes), "eval" (greedy episodes) or "agent" (the agent's random numbers for this observer). Environment
-    0 keeps the seed an observer with one environment has, so --envs-per-observer 1 replays runs made before
-    the flag existed."""
-    purpose_id = ("env", "eval", "agent").index(purpose)
-    entropy = [seed, rank, purpose_id] + ([env_index] if env_index else [])
-    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
-
-
-def first_seeds(seed, observers, rounds, purpose):
-    """{observer id: [the seed of each of its environments]} for the first episode of training or evaluation."""
-    return {rank: [observer_seed(seed, rank, purpose, index) for index in range(rounds)] for rank in observers}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: batched action selection (one forward for all observers of a step)
-# ---------------------------------------------------------------------------------------------------------
-
-@rpc.functions.async_execution
-def select_action_batch(agent_rref, observer_id, envs, states, rewards):
-    """Agent.select_action, batched: returns at once a future that ActionBatcher completes with the actions."""
-    agent = agent_rref.local_value()
-    agent.record_rewards(observer_id, envs, rewards)
-    return agent.batcher.request(observer_id, envs, states)
-
-
-class ActionBatcher:
-    """Lives in the agent process: holds each observer's request of a step until every observer still playing
-    has asked, then answers them all with one forward, ordered by observer id. Each step of an episode then
-    costs one forward whatever the arrival timing, and the batch, hence every floating-point result, is the same
-    on every run. Requests arrive on RPC threads, several at once: the lock guards the waiting requests.
-    """
-
-    def __init__(self, act):
-        self.act = act
-        self.lock = threading.Lock()
-        self.waiting = {}     # observer id -> (env indices, states, future of the actions), not answered yet
-        self.playing = set()  # observers with an environment whose current episode has not ended
-
-    def expect(self, observers):
-        """At the start of an episode: requests will come from all these observers."""
-        with self.lock:
-            self.playing = set(observers)
-
-    def request(self, observer_id, envs, states):
-        actions = torch.futures.Future()
-        with self.lock:
-            self.waiting[observer_id] = (envs, states, actions)
-            ready = self._take_ready_requests()
-        self._answer(ready)
-        return actions
-
-    def watch(self, observer_id, episode):
-        """The future of an observer's run_episode, chained: once it completes, that observer asks no more, and
-        the others may be all there is to wait for. Waiting on the chained future also waits for the callback,
-        so it cannot run late and touch the next episode's bookkeeping."""
-        return episode.then(lambda done: self._observer_finished(observer_id, done))
-
-    def _observer_finished(self, observer_id, episode):
-        with self.lock:
-            self.playing.discard(observer_id)
-            ready = self._take_ready_requests()
-        self._answer(ready)
-        return episode.value()  # re-raises an observer's failure in the agent's loop
-
-    def _take_ready_requests(self):
-        """Under self.lock: the requests to answer now, sorted by observer id, removed from self.waiting."""
-        if not self.waiting or self.waiting.keys() != self.playing:
-            return []
-        ready = sorted(self.waiting.items())
-        self.waiting = {}
-        return ready
-
-    def _answer(self, ready):
-        if ready:
-            answers = self.act([(ob_id, envs, states) for ob_id, (envs, states, _) in ready])
-            for (_, (_, _, future)), actions in zip(ready, answers):
-                future.set_result(actions)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: process placement, greedy evaluation, plot, result line
-# ---------------------------------------------------------------------------------------------------------
-
-def set_up_process(info, args):
-    """One intra-op thread per process (the policy is tiny: more threads only add synchronisation to every
-    step) and, with --pin-cpus, the process bound to a CPU of its own when this machine has one for each of its
-    processes (common.pin_to_one_cpu says why: TensorPipe's busy-polling threads; `top -H` shows a TP_SHM_reactor
-    thread at 100 % in every process). On 2 CPUs with one observer, pinning nearly doubled the env steps per second.
-    """
-    torch.set_num_threads(1)
-    if args.pin_cpus:
-        pin_to_one_cpu(info)
-
-
-def passes_multiple(episode, rounds, interval):
-    """Whether the update that brought the episode count to `episode` (rounds episodes per observer) passed a
-    multiple of interval."""
-    return episode // interval > (episode - rounds) // interval
-
-
-def evaluate(agent, episodes, observers, rounds):
-    """Greedy evaluation (argmax action, no dropout): `episodes` per observer, rounded up to a multiple of the
-    environments per observer; its own environment seeds, apart from training's. Returns the episode rewards."""
-    eval_rewards = []
-    for run in range(math.ceil(episodes / rounds)):
-        seeds = first_seeds(agent.args.seed, observers, rounds, "eval") if run == 0 else None
-        rewards, _ = agent.run_episode(greedy=True, seeds=seeds)
-        eval_rewards.extend(rewards[rank, index] for index in range(rounds) for rank in observers)
-    if eval_rewards:
-        print(f"greedy evaluation: mean reward {np.mean(eval_rewards):.1f} over {len(eval_rewards)} episodes",
-              flush=True)
-    return eval_rewards
-
-
-def report(agent, args, device, solved, wall_time, steps_run, counts, eval_rewards, resumed_after):
-    """The plot (--plot) and the result line. Counts cover the whole run, a resumed one included; wall time and
-    steps/s the training loop of this process only."""
-    if args.plot:
-        plot_learning_curve(args.plot, [min(rewards) for rewards in agent.episode_rewards], agent.running_rewards,
-                            agent.reward_threshold)
-    steps = agent.env_steps
-    emit_result("rpc_rl", solved=solved, episodes=len(agent.episode_rewards), updates=agent.updates, env_steps=steps,
-                wall_time_s=round(wall_time, 3), steps_per_s=round(steps_run / max(wall_time, 1e-9), 1),
-                running_reward=round(agent.running_reward, 3), observers=len(agent.observer_rrefs),
-                envs_per_observer=args.envs_per_observer, batch=args.batch, step_rpcs=counts["step_rpcs"],
-                rpcs_per_step=counts["step_rpcs"] / max(steps, 1), forwards=counts["forwards"],
-                truncation=args.truncation, truncated_episodes=agent.truncated_episodes, device=str(device),
-                eval_rewards=eval_rewards, eval_mean_reward=float(np.mean(eval_rewards)) if eval_rewards else None,
-                resumed_after_episodes=resumed_after, episode_rewards=agent.episode_rewards)
-
-
-def plot_learning_curve(path, episode_rewards, running_rewards, threshold):
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    figure, axes = plt.subplots(figsize=(7, 4))
-    episodes = range(1, len(episode_rewards) + 1)
-    axes.plot(episodes, episode_rewards, alpha=0.4, label="episode reward (smallest over observers)")
-    axes.plot(episodes, running_rewards, label="running reward")
-    axes.axhline(threshold, color="gray", linestyle="--", label=f"solved ({threshold:g})")
-    axes.set_xlabel("episode")
-    axes.set_ylabel("reward")
-    axes.legend(loc="upper left")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: --save and --load, checkpoints (--checkpoint-dir, --resume)
-# ---------------------------------------------------------------------------------------------------------
-
-CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "running_reward", "running_rewards", "episode_rewards",
-                   "updates", "env_steps", "truncated_episodes", "step_rpcs", "forwards", "agent_random_states",
-                   "environment_random_states")
-
-
-def save_policy(policy, path):
-    """--save: the policy's state_dict, as a verified file (common.save_checkpoint): torch.load(path)["policy"]
-    reads it. A write that fails keeps the previous file and ends the run with one line."""
-    save_checkpoint(path, "rpc_rl", {"policy": {name: value.cpu() for name, value in policy.state_dict().items()}},
-                    "--save")
-
-
-def read_policy(path, flag):
-    """The policy state_dict in a file that --save or --checkpoint-dir wrote, verified: a truncated, damaged or
-    foreign file, or a policy of another shape, is a one-line UsageError."""
-    return check_policy(load_checkpoint(path, "rpc_rl", flag, keys=("policy",))["policy"], flag, path)
-
-
-def check_policy(policy_state, flag, path):
-    try:
-        Policy().load_state_dict(policy_state)
-    except Exception as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        reason = lines[1] if len(lines) > 1 else (lines[0] if lines else type(error).__name__)
-        raise UsageError(f"{flag} {path}: its policy does not fit this script's ({reason}); pass a file written "
-                         f"by --save") from None
-    return policy_state
+    """bind each process to a CPU of its own when this machine has one for each"""
+    rpc_timeout: Seconds = 20.0
+    """an RPC to a silent process fails after this long (it also bounds an episode); a process stopped for half
+    of it ends the run"""
+    oversubscribe: bool = False
+    """start more than 4 processes per CPU"""
+
+
+CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "progress", "rng")
 
 
 def checkpoint_path(args):
@@ -700,96 +112,432 @@ def checkpoint_path(args):
 
 
 def recipe(args, world_size):
-    """What a resumed run must share with the run that wrote the checkpoint to continue it."""
+    """What a resumed run must share with the run that wrote the checkpoint."""
     return {"observers": world_size - 1, "envs_per_observer": args.envs_per_observer, "seed": args.seed,
             "gamma": args.gamma, "lr": args.lr, "truncation": args.truncation}
 
 
-def read_checkpoint(args):
-    return load_checkpoint(checkpoint_path(args), "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
-
-
-def check_resumable(saved, args, world_size):
-    """The checkpoint was written with this recipe, and its policy and optimizer state fit: else one line."""
-    path = checkpoint_path(args)
-    check(saved["recipe"] == recipe(args, world_size),
-          f"--resume: {path} was written with {saved['recipe']}, not {recipe(args, world_size)}; pass the same "
-          f"flags or another --checkpoint-dir")
-    policy = Policy()
-    policy.load_state_dict(check_policy(saved["policy"], "--resume", path))
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    try:
-        optimizer.load_state_dict(saved["optimizer"])
-        shapes_fit = all(value.shape == parameter.shape for parameter in policy.parameters()
-                         for value in optimizer.state.get(parameter, {}).values() if value.dim())
-    except Exception:
-        shapes_fit = False
-    check(shapes_fit, f"--resume: {path}: its optimizer state does not fit the policy; pass another --checkpoint-dir")
-
-
-def write_checkpoint(agent, args):
-    """Everything the run needs to continue as if it had not stopped, after an update: the policy, the
-    optimizer's state, the progress (running reward, episode rewards, counters) and every random state still
-    to be used, the agent's generators and each observer's environments (gymnasium draws an episode's start
-    from its environment's generator). Written atomically by the agent (common.save_checkpoint): a failed write
-    keeps the previous checkpoint and ends the run with one line."""
-    environment_states = {rank: rpc.rpc_sync(rref.owner(), environment_random_states, args=(rref,))
-                          for rank, rref in agent.observer_rrefs.items()}
-    state = {
-        "recipe": recipe(args, len(agent.observer_rrefs) + 1),
-        "policy": {name: value.cpu() for name, value in agent.policy.state_dict().items()},
-        "optimizer": agent.optimizer.state_dict(),
-        "running_reward": agent.running_reward, "running_rewards": agent.running_rewards,
-        "episode_rewards": agent.episode_rewards, "updates": agent.updates, "env_steps": agent.env_steps,
-        "truncated_episodes": agent.truncated_episodes, "step_rpcs": agent.sampler.requests,
-        "forwards": agent.sampler.forwards,
-        "agent_random_states": {rank: generator.bit_generator.state
-                                for rank, generator in agent.sampler.generators.items()},
-        "environment_random_states": environment_states,
-    }
-    save_checkpoint(checkpoint_path(args), "rpc_rl", state, "--checkpoint-dir")
-
-
-def resume_or_load(agent, args):
-    """--resume with a checkpoint in --checkpoint-dir: continue from it (see write_checkpoint), whatever --load
-    says; else --load: start from that policy. Returns the episodes per observer already played.
-
-    A resumed run gives the episode rewards and the policy of a run that never stopped (tested), on the same
-    kind of device: only the timings (wall time, steps/s) cover the resumed part alone. The checkpoint says
-    nothing about --batch or --cuda, which a resumed run may change (the policy then continues on the other
-    device, where rounding can differ).
-    """
-    if args.resume and checkpoint_path(args).exists():
-        saved = read_checkpoint(args)
-        agent.policy.load_state_dict(saved["policy"])
-        agent.optimizer.load_state_dict(saved["optimizer"])
-        agent.sampler.refresh(agent.policy)
-        agent.running_reward, agent.running_rewards = saved["running_reward"], saved["running_rewards"]
-        agent.episode_rewards, agent.updates = saved["episode_rewards"], saved["updates"]
-        agent.env_steps, agent.truncated_episodes = saved["env_steps"], saved["truncated_episodes"]
-        agent.sampler.requests, agent.sampler.forwards = saved["step_rpcs"], saved["forwards"]
-        for rank, generator in agent.sampler.generators.items():
-            generator.bit_generator.state = saved["agent_random_states"][rank]
-        for rank, rref in agent.observer_rrefs.items():
-            rpc.rpc_sync(rref.owner(), set_environment_random_states,
-                         args=(rref, saved["environment_random_states"][rank]))
-        print(f"resuming after episode {len(agent.episode_rewards)} from {checkpoint_path(args)}", flush=True)
-        return len(agent.episode_rewards)
+def validate(args):
+    """The rules that involve several flags or the machine (each flag's own rule is checked as it is parsed).
+    Returns what --resume or --load starts from, read once and checked to fit the policy, in the agent's process
+    (rank 0), which alone reads and writes files; else None."""
+    processes = common.process_count(args.world_size)
+    common.check_processes("--world-size", processes, args.oversubscribe)
+    check(processes >= 2, f"world size {processes}: need at least 2 processes (one agent, one observer)")
+    check(args.max_episodes or args.eval_episodes, "nothing to do: give --max-episodes or --eval-episodes")
+    args.truncation = args.truncation or ("terminal" if args.tutorial else "bootstrap")
+    check(args.gamma < 1 or args.gamma == 1 and args.truncation == "terminal", f"--gamma {args.gamma}: pass a "
+          f"discount factor below 1, or 1 with --truncation terminal (a bootstrapped return would be infinite)")
+    beyond = (args.envs_per_observer, args.truncation, args.eval_episodes, args.save, args.plot, args.checkpoint_dir)
+    check(not args.tutorial or beyond == (1, "terminal", 0, None, None, None), "--tutorial runs the tutorial's code "
+          "alone: leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save, --plot and "
+          "--checkpoint-dir")
+    check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
+    if (common.torchrun_env() or {"RANK": 0})["RANK"] != 0:
+        return None
+    if args.checkpoint_dir and checkpoint_path(args).exists():
+        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
+        if args.resume:
+            saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
+            check(saved["recipe"] == recipe(args, processes), f"--resume: {path} was written with {saved['recipe']}, "
+                  f"not {recipe(args, processes)}; pass the same flags or another --checkpoint-dir")
+            policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
+            common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
+            return saved
     if args.load:
-        agent.policy.load_state_dict(read_policy(args.load, "--load"))
-        agent.sampler.refresh(agent.policy)
-    return 0
+        saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
+        return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
+    return None
 
 
-def environment_random_states(observer_rref):
-    """Runs in an observer's process: the state of each of its environments' random generators."""
-    return [env.np_random.bit_generator.state for env in observer_rref.local_value().envs]
+class Policy(nn.Module):
+    """The tutorial's policy: 4 -> 128 -> 2 with dropout 0.6 on the hidden layer. Lives in the agent process."""
+
+    def __init__(self):
+        super().__init__()
+        self.affine1 = nn.Linear(4, 128)
+        self.dropout = nn.Dropout(p=0.6)
+        self.affine2 = nn.Linear(128, 2)
+
+    def forward(self, x):
+        x = self.affine1(x)
+        x = self.dropout(x)
+        x = F.relu(x)
+        action_scores = self.affine2(x)
+        return F.softmax(action_scores, dim=1)
 
 
-def set_environment_random_states(observer_rref, states):
-    for env, state in zip(observer_rref.local_value().envs, states):
-        env.np_random.bit_generator.state = state
+class Observer:
+    """Lives in an observer process, created there by the agent with rpc.remote: one CartPole environment,
+    played with the actions the agent chooses."""
+
+    def __init__(self, args):
+        self.id = rpc.get_worker_info().id
+        self.env = gym.make(ENV_ID)
+        self.env.reset(seed=args.seed + self.id)  # gymnasium's env.seed: each observer its own episodes
+
+    def run_episode(self, agent_rref):
+        state, _ = self.env.reset()
+        for _ in range(self.env.spec.max_episode_steps):
+            # send the state to the agent to get an action
+            action = agent_rref.rpc_sync().select_action(self.id, state)
+            # apply the action to the environment, and get the reward
+            state, reward, terminated, truncated, _ = self.env.step(action)
+            # report the reward to the agent for training purpose
+            agent_rref.rpc_sync().report_reward(self.id, reward)
+            if terminated or truncated:
+                break
+
+
+class Agent:
+    """Lives in the agent process (rank 0): the policy and its optimizer, the observers' RRefs, per observer the
+    log-probabilities of its actions and its rewards in the episode being played, and the run's records (every
+    episode's rewards and the running reward after it). saved: a policy to start from (--load); observer: the
+    class of the observers it creates."""
+
+    def __init__(self, world_size, args, saved=None, observer=Observer):
+        self.ob_rrefs = []
+        self.agent_rref = RRef(self)
+        self.rewards = {}
+        self.saved_log_probs = {}
+        torch.manual_seed(args.seed)  # the same initial policy for a seed
+        self.policy = Policy()
+        if saved:
+            self.policy.load_state_dict(saved["policy"])
+        self.optimizer = optim.Adam(self.policy.parameters(), lr=args.lr)
+        self.eps = np.finfo(np.float32).eps.item()
+        self.args = args
+        self.running_reward = 0
+        self.reward_threshold = gym.spec(ENV_ID).reward_threshold
+        self.episode_rewards, self.running_rewards = [], []
+        for ob_rank in range(1, world_size):
+            ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
+            self.ob_rrefs.append(remote(ob_info, observer, args=(args,)))
+            self.rewards[ob_info.id] = []
+            self.saved_log_probs[ob_info.id] = []
+
+    def select_action(self, ob_id, state):
+        state = torch.from_numpy(state).float().unsqueeze(0)
+        probs = self.policy(state)
+        m = Categorical(probs)
+        action = m.sample()
+        self.saved_log_probs[ob_id].append(m.log_prob(action))
+        return action.item()
+
+    def report_reward(self, ob_id, reward):
+        self.rewards[ob_id].append(reward)
+
+    def run_episode(self):
+        futs = []
+        for ob_rref in self.ob_rrefs:
+            # make async RPC to kick off an episode on all observers
+            futs.append(ob_rref.rpc_async().run_episode(self.agent_rref))
+        # wait until all observers have finished this episode
+        for fut in futs:
+            fut.wait()
+
+    def finish_episode(self):
+        """The REINFORCE update from the episodes just played: returns discounted within each episode and normalised
+        together, loss = -sum(log_prob * R), one optimizer step. Returns the smallest episode reward."""
+        # joins probs and returns from different observers into lists
+        probs, returns = [], []
+        for ob_id in self.rewards:
+            probs.extend(self.saved_log_probs[ob_id])
+            returns.extend(self.discounted_returns(ob_id))
+        # use the minimum observer reward to calculate the running reward
+        self.episode_rewards.append([sum(rewards) for rewards in self.rewards.values()])
+        min_reward = self.update_running_reward(self.episode_rewards[-1])
+        self.running_rewards.append(self.running_reward)
+        # clear saved probs and rewards
+        for ob_id in self.rewards:
+            self.rewards[ob_id] = []
+            self.saved_log_probs[ob_id] = []
+        returns = torch.tensor(returns)
+        returns = (returns - returns.mean()) / (returns.std() + self.eps)
+        policy_loss = -(torch.cat(probs) * returns).sum()
+        self.optimizer.zero_grad()
+        policy_loss.backward()
+        self.optimizer.step()
+        return min_reward
+
+    def discounted_returns(self, ob_id, R=0.0):
+        """G_t = r_t + gamma * G_{t+1} over one observer's episode, ended at its last step (the tutorial runs one
+        sum over the rewards of all observers, so that one episode's return leaks into another's)."""
+        returns = []
+        for r in self.rewards[ob_id][::-1]:
+            R = r + self.args.gamma * R
+            returns.insert(0, R)
+        return returns
+
+    def update_running_reward(self, episode_rewards):
+        """The tutorial's running reward, 0.05 * the smallest episode reward + 0.95 * the previous one; "solved"
+        once it passes CartPole-v1's threshold, 475. Returns that smallest episode reward."""
+        min_reward = min(episode_rewards)
+        self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward
+        return min_reward
+
+    def report(self, solved, wall_time, steps, **figures):
+        """The run's last line, one JSON object: times cover this process's training loop, counts the whole run."""
+        common.emit_result("rpc_rl", solved=solved, episodes=len(self.episode_rewards), env_steps=env_steps(self),
+                           wall_time_s=round(wall_time, 3), steps_per_s=round(steps / max(wall_time, 1e-9), 1),
+                           observers=len(self.ob_rrefs), running_reward=round(self.running_reward, 3), **figures,
+                           episode_rewards=self.episode_rewards)
+
+
+def run_agent(agent, args):
+    """The agent's loop: an episode on every observer, an update, a log line every --log-interval episodes, until
+    the running reward passes the threshold or --max-episodes. Returns (solved, training time, env steps)."""
+    start, first = time.perf_counter(), len(agent.episode_rewards)  # a resumed run starts after `first` episodes
+    solved = agent.running_reward > agent.reward_threshold
+    while not solved and len(agent.episode_rewards) < args.max_episodes:
+        agent.run_episode()
+        last_reward = agent.finish_episode()
+        i_episode, solved = len(agent.episode_rewards), agent.running_reward > agent.reward_threshold
+        if i_episode % args.log_interval == 0:
+            print(f"episode {i_episode} | last reward {last_reward:g} | running reward {agent.running_reward:.1f} | "
+                  f"{env_steps(agent, first) / (time.perf_counter() - start):.0f} steps/s", flush=True)
+        if solved:
+            print(f"solved: running reward {agent.running_reward:.1f} > {agent.reward_threshold:g} after {i_episode} "
+                  f"episodes", flush=True)
+    return solved, time.perf_counter() - start, env_steps(agent, first)
+
+
+def env_steps(agent, first=0):
+    """The environment steps of the episodes from `first` on: CartPole pays a reward of 1 per step."""
+    return int(sum(map(sum, agent.episode_rewards[first:])))
+
+
+def run_worker(info, args, agent_class, saved):
+    """Every process: rank 0 is the agent and trains; the others serve the agent's RPCs as observers. One thread
+    per process (the policy is tiny), and with --pin-cpus a CPU of its own (common.pin_to_one_cpu says why)."""
+    torch.set_num_threads(1)
+    if args.pin_cpus:
+        common.pin_to_one_cpu(info)
+    if info.rank == 0:
+        common.init_rpc(info, AGENT_NAME, timeout_s=args.rpc_timeout)
+        try:
+            agent = agent_class(info.world_size, args, saved)
+            agent.report(*run_agent(agent, args))
+        except common.RunFailed:  # its one line comes from common.launch; the observers end with the agent, as usual
+            with contextlib.suppress(Exception):
+                rpc.shutdown()
+            raise
+    else:
+        common.init_rpc(info, OBSERVER_NAME.format(info.rank), timeout_s=args.rpc_timeout)
+    # block until all rpcs finish, and shutdown the RPC instance
+    rpc.shutdown()
+
+
+def main(argv=None, agent_class=Agent):
+    """Check the flags, then start the processes: the tutorial's Agent with --tutorial, else agent_class (the
+    command line of this script passes the agent that builds on Agent below)."""
+    args = common.parse_args(Args, argv)
+    saved = validate(args)
+    common.launch(run_worker, common.process_count(args.world_size), args, Agent if args.tutorial else agent_class,
+                  saved, timeout=args.rpc_timeout)
+
+
+# --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers, in numpy ---
+
+class BatchObserver(Observer):
+    """Lives in an observer process: K CartPole environments (--envs-per-observer), played together."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.envs = [self.env] + [gym.make(ENV_ID) for _ in range(args.envs_per_observer - 1)]
+
+    def run_episode(self, agent_rref, seeds):
+        """One episode on each environment, started from its seed; returns {(observer id, environment index):
+        whether the time limit, not a failure, ended it}. ONE RPC per step for all environments still playing (the
+        tutorial sends two per environment): it carries their states and the rewards of their previous actions. An
+        environment whose episode has ended waits for the others; a last RPC without states brings the last
+        rewards."""
+        states = {index: env.reset(seed=seed)[0].tolist() for index, (env, seed) in enumerate(zip(self.envs, seeds))}
+        rewards, truncated = {}, {}
+        for _ in range(self.env.spec.max_episode_steps + 1):
+            actions = agent_rref.rpc_sync().select_action(self.id, states, rewards)
+            if not states:
+                return truncated
+            rewards, playing, states = {}, states, {}
+            for index, action in zip(playing, actions):
+                state, rewards[index], terminated, cut_short, _ = self.envs[index].step(action)
+                truncated[self.id, index] = cut_short and not terminated
+                if not (terminated or cut_short):
+                    states[index] = state.tolist()
+
+
+class BatchAgent(Agent):
+    """Lives in the agent process: the tutorial's Agent, answering every observer of a step with one forward, in
+    numpy, from the agent's own generator; the update computes the log-probabilities again, in torch. Rewards,
+    log-probabilities and trajectories are kept per environment: (observer id, environment index)."""
+
+    def __init__(self, world_size, args, saved=None):
+        super().__init__(world_size, args, saved, BatchObserver)
+        self.rewards = {(ob_id, index): [] for ob_id in self.rewards for index in range(args.envs_per_observer)}
+        self.saved_log_probs = {env: [] for env in self.rewards}
+        self.rows = {env: row for row, env in enumerate(self.rewards)}  # an environment's number in the trajectory
+        self.trajectory = []  # per step: the numbers of the environments playing, their states, masks and actions
+        self.rng = np.random.default_rng(args.seed)  # every random number drawn after the initial policy
+        self.parameters = [parameter.detach().numpy() for parameter in self.policy.parameters()]  # views
+        self.lock, self.waiting, self.playing = threading.Lock(), {}, set()  # requests to answer; observers playing
+
+    def run_episode(self):
+        """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent."""
+        self.playing = {ob_id for ob_id, _ in self.rewards}
+        seeds = self.rng.integers(2**32, size=(len(self.ob_rrefs), self.args.envs_per_observer)).tolist()
+        futs = [ob_rref.rpc_async().run_episode(self.agent_rref, ob_seeds)
+                for ob_rref, ob_seeds in zip(self.ob_rrefs, seeds)]
+        self.truncated = {env: cut for fut in futs for env, cut in fut.wait().items()}
+
+    @rpc.functions.async_execution
+    def select_action(self, ob_id, states, rewards):
+        """An observer's request of a step: {environment index: state} of its environments still playing (none once
+        all have ended) and {index: reward} of their previous actions. Returns a future of the actions, answered
+        once every observer still playing has asked. Requests arrive on several RPC threads: hence the lock."""
+        actions = torch.futures.Future()
+        with self.lock:
+            for index, reward in rewards.items():
+                self.rewards[ob_id, index].append(reward)
+            self.waiting[ob_id] = (states, actions)
+            ready = self.waiting.keys() >= self.playing
+            if ready:
+                requests, self.waiting = sorted(self.waiting.items()), {}
+                self.playing = {ob_id for ob_id, (ob_states, _) in requests if ob_states}
+        if ready:
+            self.act(requests)
+        return actions
+
+    def act(self, requests):
+        """Answers [(observer id, (states, future))] from one forward of all their states with the policy's dropout,
+        in observer order: the same batches, hence the same random numbers, on every run. In numpy, because for a
+        few rows torch's fixed cost per operator call is many times the arithmetic. The futures are answered last:
+        only then can the next step's requests arrive."""
+        envs = [(ob_id, index) for ob_id, (ob_states, _) in requests for index in ob_states]
+        states = np.array([state for _, (ob_states, _) in requests for state in ob_states.values()], np.float32)
+        states = states.reshape(len(envs), 4)  # 4 numbers, also when no environment is left
+        keep = 1 - self.policy.dropout.p  # inverted dropout, as nn.Dropout
+        masks = (self.rng.random((len(envs), self.policy.affine1.out_features)) < keep) / np.float32(keep)
+        probs = numpy_probs(self.parameters, states, masks)
+        actions = (self.rng.random(len(envs)) >= probs[:, 0]).astype(np.int64)  # action 1 with probability probs[:, 1]
+        self.trajectory.append((np.array([self.rows[env] for env in envs], int), states, masks, actions))
+        answers = iter(actions.tolist())
+        for _, (ob_states, future) in requests:
+            future.set_result([next(answers) for _ in ob_states])
+
+    def finish_episode(self):
+        """The saved log-probabilities, computed again in torch: one forward for every step of every episode, with
+        the dropout masks the actions were sampled with; then the tutorial's update."""
+        rows, states, masks, actions = (torch.from_numpy(np.concatenate(column)) for column in zip(*self.trajectory))
+        probs = F.softmax(self.policy.affine2(F.relu(self.policy.affine1(states) * masks)), dim=1)
+        log_probs = Categorical(probs).log_prob(actions)
+        for env, row in self.rows.items():
+            self.saved_log_probs[env] = [log_probs[rows == row]]  # in the order of its steps
+        self.trajectory = []
+        return super().finish_episode()
+
+    def discounted_returns(self, env, R=0.0):
+        """With --truncation bootstrap, the return of an episode that CartPole's 500-step limit cut short (gymnasium's
+        `truncated`) goes on past the limit. The limit is not part of the task: ending the sum there teaches the
+        policy that its last actions, which kept the pole up, were its worst, and once it balances for a whole
+        episode, every update pushes it away from what it does. REINFORCE has no value function to bootstrap from:
+        the sum goes on with the last reward forever, r / (1 - gamma), so that a policy that balances to the limit
+        sees equal returns at every step, hence no update."""
+        if self.truncated[env] and self.args.truncation == "bootstrap":
+            R = self.rewards[env][-1] / (1 - self.args.gamma)
+        return super().discounted_returns(env, R)
+
+    def update_running_reward(self, episode_rewards):
+        """K environments per observer play K rounds of episodes at once (round k: environment k of every observer);
+        each round enters the running reward as the tutorial's episode does, so "solved" asks as much whatever K."""
+        for index in range(self.args.envs_per_observer):
+            super().update_running_reward(episode_rewards[index::self.args.envs_per_observer])
+        return min(episode_rewards)
+
+
+def numpy_probs(parameters, states, masks=1.0):
+    """Policy.forward in numpy, float32, with the dropout masks given (1.0: no dropout, as in evaluation)."""
+    weight1, bias1, weight2, bias2 = parameters
+    logits = np.maximum((states @ weight1.T + bias1) * masks, 0) @ weight2.T + bias2
+    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
+# --- Beyond the tutorial: checkpoints that resume exactly, --save, greedy evaluation, --plot, the result line ---
+
+PROGRESS = ("running_reward", "episode_rewards", "running_rewards")
+
+
+class CheckpointedAgent(BatchAgent):
+    """Lives in the agent process: the BatchAgent of a whole run of this script. It continues from a checkpoint
+    (--resume), writes checkpoints, and ends with --save, the greedy evaluation, --plot and the result line."""
+
+    def __init__(self, world_size, args, saved=None):
+        super().__init__(world_size, args, saved)
+        if saved and "optimizer" in saved:  # a checkpoint, checked by validate
+            self.optimizer.load_state_dict(saved["optimizer"])
+            vars(self).update(saved["progress"])
+            self.rng.bit_generator.state = saved["rng"]
+            print(f"resuming after episode {len(self.episode_rewards)} from {checkpoint_path(args)}", flush=True)
+        self.resumed_after = len(self.episode_rewards)
+
+    def finish_episode(self):
+        """The update, then a checkpoint every --checkpoint-interval episodes, once solved and at --max-episodes."""
+        min_reward = super().finish_episode()
+        episode, args = len(self.episode_rewards), self.args
+        if args.checkpoint_dir and (episode % args.checkpoint_interval == 0 or episode >= args.max_episodes
+                                    or self.running_reward > self.reward_threshold):
+            self.write_checkpoint()
+        return min_reward
+
+    def write_checkpoint(self):
+        """Everything the run needs to continue as if it had not stopped: the policy, Adam's state, the records and
+        counts, and the agent's generator, the only random state still to be used (every episode starts from seeds
+        it draws). Written atomically: a failed write keeps the previous checkpoint and ends the run in one line."""
+        common.save_checkpoint(checkpoint_path(self.args), "rpc_rl", {
+            "recipe": recipe(self.args, len(self.ob_rrefs) + 1), "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(), "progress": {name: getattr(self, name) for name in PROGRESS},
+            "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
+
+    def evaluate(self, episodes):
+        """Greedy episodes (the most probable action, no dropout) on an environment of the agent's own, seeded with
+        --seed, as no observer's is. Returns their rewards."""
+        env, eval_rewards = gym.make(ENV_ID), []
+        for episode in range(episodes):
+            state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
+            eval_rewards.append(0.0)
+            for _ in range(env.spec.max_episode_steps):
+                action = int(numpy_probs(self.parameters, state[None]).argmax())
+                state, reward, terminated, truncated, _ = env.step(action)
+                eval_rewards[-1] += reward
+                if terminated or truncated:
+                    break
+        if eval_rewards:
+            print(f"greedy evaluation: mean reward {np.mean(eval_rewards):.1f} over {episodes} episodes", flush=True)
+        return eval_rewards
+
+    def report(self, solved, wall_time, steps):
+        """--save, the greedy evaluation and --plot, then the result line with this script's figures."""
+        if self.args.save:
+            common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()}, "--save")
+        eval_rewards = self.evaluate(self.args.eval_episodes)
+        if self.args.plot:
+            plot_learning_curve(self, self.args.plot)
+        super().report(solved, wall_time, steps, envs_per_observer=self.args.envs_per_observer,
+                       truncation=self.args.truncation, eval_rewards=eval_rewards,
+                       resumed_after_episodes=self.resumed_after)
+
+
+def plot_learning_curve(agent, path):
+    from matplotlib.figure import Figure  # without pyplot: no display needed
+    figure = Figure(figsize=(7, 4))
+    axes, episodes = figure.subplots(), range(1, len(agent.episode_rewards) + 1)
+    axes.plot(episodes, [min(rewards) for rewards in agent.episode_rewards], alpha=0.4, label="smallest episode reward")
+    axes.plot(episodes, agent.running_rewards, label="running reward")
+    axes.axhline(agent.reward_threshold, color="gray", linestyle="--", label=f"solved ({agent.reward_threshold:g})")
+    axes.set(xlabel="episode", ylabel="reward")
+    axes.legend(loc="upper left")
+    common.save_figure(figure, path, "--plot")
 
 
 if __name__ == "__main__":
-    run_main(main)
+    common.run_main(lambda: main(agent_class=CheckpointedAgent))

@@ -1,7 +1,8 @@
-"""rpc_rl.py: one RPC per step, batched forwards, reproducibility, save/load, checkpoints and resume, torchrun
-across two nodes, bad input, failures (a killed or stopped process, a killed launcher, a full disk)."""
+"""rpc_rl.py: the tutorial's code and the batched agent built on it (one RPC per observer step, one forward per step,
+the same update), reproducibility, save/load, checkpoints and exact resume, torchrun across two nodes, --help, bad
+input, failures (a killed or stopped process, a killed launcher, a full disk)."""
 
-import math
+import copy
 import os
 import re
 import resource
@@ -9,7 +10,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
+import typing
 
 import gymnasium as gym
 import numpy as np
@@ -22,10 +26,12 @@ import rpc_rl
 from conftest import (
     REPO,
     assert_all_ended,
+    assert_help_follows_the_rules,
+    assert_usage_error,
     free_port,
     kill_all,
     last_json,
-    needs_gpus,
+    run_script,
     spawned_workers,
     start_script,
     torchrun_command,
@@ -38,7 +44,7 @@ def start_rpc_rl(*args):
     return start_script("rpc_rl.py", *args)
 
 
-def finish(proc, timeout=100):
+def finish(proc, timeout=120):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -50,75 +56,115 @@ def finish(proc, timeout=100):
     return last_json(out)
 
 
-# Episode rewards of runs made before --envs-per-observer existed (commit 134833c, this machine's CPU): the
-# default, one environment per observer, must replay them exactly.
-BEFORE_ENVS_PER_OBSERVER = {
-    "--world-size 3 --max-episodes 6 --seed 3": [[17.0, 18.0], [13.0, 54.0], [16.0, 24.0], [22.0, 55.0],
-                                                  [35.0, 47.0], [46.0, 46.0]],
-    "--max-episodes 40 --seed 2": [30.0, 10.0, 17.0, 18.0, 30.0, 13.0, 26.0, 46.0, 19.0, 37.0, 13.0, 22.0, 26.0,
-                                   18.0, 16.0, 35.0, 23.0, 29.0, 14.0, 51.0, 23.0, 17.0, 16.0, 21.0, 17.0, 28.0,
-                                   84.0, 36.0, 57.0, 73.0, 42.0, 48.0, 59.0, 35.0, 56.0, 13.0, 13.0, 103.0, 87.0,
-                                   111.0],
-    "--max-episodes 40 --seed 2, greedy evaluation": [53.0, 37.0, 49.0],
-}
+# `python rpc_rl.py --max-episodes 40 --seed 3 --eval-episodes 3` on this machine's CPU (2026-11-23): every run with
+# this seed gives these episode rewards, running reward and greedy evaluation (the torchrun tests compare with them).
+SEED_3 = [20.0, 17.0, 18.0, 21.0, 33.0, 15.0, 12.0, 93.0, 19.0, 25.0, 71.0, 98.0, 35.0, 29.0, 60.0, 52.0, 52.0, 47.0,
+          15.0, 42.0, 60.0, 67.0, 44.0, 36.0, 59.0, 64.0, 80.0, 43.0, 77.0, 28.0, 46.0, 126.0, 41.0, 40.0, 110.0, 112.0,
+          146.0, 136.0, 141.0, 58.0]
+SEED_3_RUNNING_REWARD = 62.068
+SEED_3_EVAL = [500.0, 500.0, 439.0]
 
 
-def by_update(result):
-    """A run's episode rewards as [update][environment index][observer]."""
-    envs, rows = result["envs_per_observer"], result["episode_rewards"]
-    return [rows[start:start + envs] for start in range(0, len(rows), envs)]
+def by_episode(result):
+    """A run's episode rewards as [episode][observer][environment]."""
+    envs = result["envs_per_observer"]
+    return [[rewards[start:start + envs] for start in range(0, len(rewards), envs)]
+            for rewards in result["episode_rewards"]]
 
 
-@pytest.mark.parametrize("envs", [1, 2])
-def test_one_rpc_per_observer_step_one_forward_per_step_when_batched_and_the_same_rewards_without(tmp_path, envs):
-    # two observers with `envs` environments each, batched and --no-batch side by side (also shows that runs
-    # at once do not collide)
+@pytest.mark.parametrize("envs", [1, 3])
+def test_two_observers_give_the_same_episodes_from_the_same_seed(tmp_path, envs):
+    """Two observers with `envs` environments each, the same command twice at once (which also shows that runs at
+    once do not collide): the batches of every step are formed in observer order, so a seed gives one run."""
     plot = tmp_path / "curve.png"
-    common = ("--world-size", 3, "--max-episodes", 6, "--seed", 3, "--envs-per-observer", envs,
-              "--eval-episodes", 3)
-    batched = start_rpc_rl(*common, "--plot", plot)
-    unbatched = start_rpc_rl(*common, "--no-batch")
-    batched, unbatched = finish(batched), finish(unbatched)
-    for result in (batched, unbatched):
-        assert result["episodes"] == 6 and result["updates"] == 6 // envs and result["observers"] == 2
-        assert all(len(rewards) == 2 and min(rewards) > 0 for rewards in result["episode_rewards"])
-        # CartPole pays 1 per step, so the rewards count the env steps the observers reported
-        assert result["env_steps"] == sum(map(sum, result["episode_rewards"]))
-        # one RPC per observer step for all its environments still playing: per update, as many as its longest
-        # episode, so 1/K of the env steps when its K episodes are equally long
-        longest = [max(rewards[observer] for rewards in update) for update in by_update(result)
-                   for observer in range(2)]
-        assert result["step_rpcs"] == sum(longest)
-        assert result["rpcs_per_step"] == result["step_rpcs"] / result["env_steps"]
-        # greedy evaluation: 3 episodes per observer, rounded up to a multiple of the environments
-        assert len(result["eval_rewards"]) == 2 * envs * math.ceil(3 / envs)
-    # batched: one forward per step of the update, however many environments are still playing
-    assert batched["forwards"] == sum(max(map(max, update)) for update in by_update(batched))
-    assert batched["forwards"] < batched["step_rpcs"] <= batched["env_steps"]
-    assert unbatched["forwards"] == unbatched["step_rpcs"]
-    # each observer draws from its own generator on the agent: batching changes nothing in the outcome
-    assert batched["episode_rewards"] == unbatched["episode_rewards"]
-    assert batched["eval_rewards"] == unbatched["eval_rewards"]
-    # distinct environment seeds per observer and per environment
-    assert [a for a, _ in batched["episode_rewards"]] != [b for _, b in batched["episode_rewards"]]
-    assert len({rpc_rl.observer_seed(3, rank, "env", index) for rank in (1, 2) for index in range(envs)}) == 2 * envs
-    if envs == 1:
-        assert batched["episode_rewards"] == BEFORE_ENVS_PER_OBSERVER["--world-size 3 --max-episodes 6 --seed 3"]
-        assert batched["rpcs_per_step"] == 1.0
-    else:
-        assert batched["rpcs_per_step"] < 1.0
+    flags = ("--world-size", 3, "--max-episodes", 4, "--seed", 3, "--envs-per-observer", envs, "--eval-episodes", 2)
+    first, second = start_rpc_rl(*flags, "--plot", plot), start_rpc_rl(*flags)
+    result, again = finish(first), finish(second)
+    assert result["episode_rewards"] == again["episode_rewards"] and result["eval_rewards"] == again["eval_rewards"]
+    assert result["episodes"] == 4 and result["observers"] == 2 and result["envs_per_observer"] == envs
+    assert all(len(rewards) == 2 * envs and min(rewards) > 0 for rewards in result["episode_rewards"])
+    columns = list(zip(*result["episode_rewards"]))
+    assert len(set(columns)) == 2 * envs  # every environment plays episodes of its own (seeds drawn by the agent)
+    # CartPole pays 1 per step, so the rewards count the env steps the observers reported
+    assert result["env_steps"] == sum(map(sum, result["episode_rewards"]))
+    assert len(result["eval_rewards"]) == 2
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+class RecordingAgent:
+    """Stands for the agent's RRef in BatchObserver.run_episode: records each select_action request and answers
+    action 0 for environment 0, action 1 for the others (so that their episodes last differently)."""
+
+    def __init__(self):
+        self.requests = []
+
+    def rpc_sync(self):
+        return self
+
+    def select_action(self, ob_id, states, rewards):
+        self.requests.append((ob_id, dict(states), dict(rewards)))
+        return [int(index > 0) for index in states]
+
+
+def test_an_observer_sends_one_rpc_per_step_for_all_its_environments():
+    """BatchObserver.run_episode with 3 environments: one request per step with the states of the environments
+    still playing and the rewards of their previous actions, and a last one without states; the tutorial sends two
+    per step and environment."""
+    observer = object.__new__(rpc_rl.BatchObserver)
+    observer.id, observer.envs = 7, [gym.make(rpc_rl.ENV_ID) for _ in range(3)]
+    observer.env = observer.envs[0]
+    agent = RecordingAgent()
+    truncated = observer.run_episode(agent, [11, 12, 13])
+    assert truncated == {(7, 0): False, (7, 1): False, (7, 2): False}  # pushed one way, the pole falls
+    lengths = [sum(index in states for _, states, _ in agent.requests) for index in range(3)]
+    assert len(agent.requests) == max(lengths) + 1 and agent.requests[-1][1] == {}
+    assert all(ob_id == 7 for ob_id, _, _ in agent.requests) and agent.requests[0][2] == {}
+    for (_, before, _), (_, _, rewards) in zip(agent.requests, agent.requests[1:]):
+        assert set(rewards) == set(before) and set(rewards.values()) == {1.0}  # the previous actions' rewards
+    again = RecordingAgent()  # the same seeds, the same episodes
+    observer.run_episode(again, [11, 12, 13])
+    assert again.requests == agent.requests
+
+
+def test_the_agent_answers_every_observer_of_a_step_with_one_forward():
+    """BatchAgent.select_action: requests wait until every observer still playing has asked, then one forward (act)
+    answers them all, in observer order; an observer whose environments have all ended asks once more, without
+    states, and the others no longer wait for it."""
+    agent = object.__new__(rpc_rl.BatchAgent)
+    torch.manual_seed(0)
+    agent.policy = rpc_rl.Policy()
+    agent.parameters = [parameter.detach().numpy() for parameter in agent.policy.parameters()]
+    agent.rng, agent.lock, agent.waiting, agent.playing = np.random.default_rng(0), threading.Lock(), {}, {1, 2}
+    agent.rewards = {(ob_id, index): [] for ob_id in (1, 2) for index in range(2)}
+    agent.rows, agent.trajectory = {env: row for row, env in enumerate(agent.rewards)}, []
+    forwards = []
+    act = agent.act
+    agent.act = lambda requests: forwards.append([ob_id for ob_id, _ in requests]) or act(requests)
+    state = [0.01, 0.02, 0.03, 0.04]
+    one = agent.select_action(2, {0: state, 1: state}, {})
+    assert not one.done() and forwards == []  # observer 1 has not asked yet
+    two = agent.select_action(1, {1: state}, {0: 1.0})
+    assert one.done() and two.done() and forwards == [[1, 2]]
+    assert len(one.value()) == 2 and len(two.value()) == 1 and set(one.value() + two.value()) <= {0, 1}
+    assert agent.rewards[1, 0] == [1.0] and agent.trajectory[0][0].tolist() == [1, 2, 3]  # (1, 1), (2, 0), (2, 1)
+    last = agent.select_action(1, {}, {1: 1.0})  # observer 1's episodes have ended
+    assert not last.done()
+    three = agent.select_action(2, {1: state}, {0: 1.0, 1: 1.0})
+    assert last.value() == [] and len(three.value()) == 1 and forwards == [[1, 2], [1, 2]] and agent.playing == {2}
+    four = agent.select_action(2, {1: state}, {1: 1.0})  # now observer 2 alone
+    assert four.done() and forwards[-1] == [2] and agent.rewards[2, 1] == [1.0, 1.0]
+
+
 def greedy_rewards(policy, seed, episodes):
-    env = gym.make(rpc_rl.ENV_ID)
-    rewards = []
+    """A plain local greedy evaluation, in torch: the environment seeded with --seed at its first episode."""
+    env, rewards = gym.make(rpc_rl.ENV_ID), []
+    policy.eval()
     for episode in range(episodes):
-        state, _ = env.reset(seed=rpc_rl.observer_seed(seed, 1, "eval") if episode == 0 else None)
+        state, _ = env.reset(seed=seed if episode == 0 else None)
         total, done = 0.0, False
         while not done:
             with torch.no_grad():
-                action = policy(torch.from_numpy(state).float()[None]).argmax().item()
+                action = policy(torch.from_numpy(state)[None]).argmax().item()
             state, reward, terminated, truncated, _ = env.step(action)
             total, done = total + reward, terminated or truncated
         rewards.append(total)
@@ -127,32 +173,130 @@ def greedy_rewards(policy, seed, episodes):
 
 def test_same_seed_same_rewards_it_learns_and_the_saved_policy_evaluates_the_same_in_a_copy_of_the_script(tmp_path):
     saved = tmp_path / "policy.pt"
-    trained = finish(start_rpc_rl("--max-episodes", 40, "--seed", 2, "--save", saved, "--eval-episodes", 3))
+    trained = finish(start_rpc_rl("--max-episodes", 40, "--seed", 3, "--save", saved, "--eval-episodes", 3))
     rewards = [reward for (reward,) in trained["episode_rewards"]]
-    assert rewards == BEFORE_ENVS_PER_OBSERVER["--max-episodes 40 --seed 2"]  # as every run with seed 2 before
-    assert trained["running_reward"] == 39.287  # the tutorial's running reward, as before
-    assert trained["eval_rewards"] == BEFORE_ENVS_PER_OBSERVER["--max-episodes 40 --seed 2, greedy evaluation"]
-    assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
+    assert rewards == SEED_3 and trained["running_reward"] == SEED_3_RUNNING_REWARD
+    assert trained["eval_rewards"] == SEED_3_EVAL
+    assert sum(rewards[-10:]) > 2 * sum(rewards[:10]), rewards  # it learns
 
     # evaluated by the script copied alone with common.py into an empty folder, as a user would take it
-    copy = tmp_path / "copy"
-    copy.mkdir()
+    folder = tmp_path / "copy"
+    folder.mkdir()
     for name in ("rpc_rl.py", "common.py"):
-        shutil.copy(REPO / name, copy / name)
+        shutil.copy(REPO / name, folder / name)
     proc = subprocess.run([sys.executable, "rpc_rl.py", *map(str, ("--load", saved, "--max-episodes", 0,
-                                                                   "--eval-episodes", 3, "--seed", 2))],
-                          cwd=copy, capture_output=True, text=True, timeout=100)
+                                                                   "--eval-episodes", 3, "--seed", 3))],
+                          cwd=folder, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
     evaluated = last_json(proc.stdout)
     assert evaluated["episodes"] == 0 and evaluated["env_steps"] == 0
-    assert len(trained["eval_rewards"]) == 3
     assert evaluated["eval_rewards"] == trained["eval_rewards"]
     policy = rpc_rl.Policy()
     policy.load_state_dict(torch.load(saved, weights_only=True)["policy"])
-    # the distributed greedy evaluation equals a plain local one with the saved weights
-    assert greedy_rewards(policy, 2, 3) == trained["eval_rewards"]
-    torch.manual_seed(2)
+    # the agent's greedy evaluation in numpy equals a plain one in torch with the saved weights
+    assert greedy_rewards(policy, 3, 3) == trained["eval_rewards"]
+    torch.manual_seed(3)
     assert not torch.equal(rpc_rl.Policy().affine1.weight, policy.affine1.weight)  # the file holds trained weights
+
+
+def test_the_tutorials_code_runs_alone_and_learns():
+    """--tutorial: the story's Agent and Observer, two RPCs per step, one forward with autograd per request."""
+    result = finish(start_rpc_rl("--tutorial", "--max-episodes", 40, "--seed", 3, "--log-interval", 40))
+    rewards = [reward for (reward,) in result["episode_rewards"]]
+    assert result["episodes"] == 40 and "eval_rewards" not in result and result["env_steps"] == sum(rewards)
+    assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
+
+
+def tutorial_step(policy, state, seed):
+    """Agent.select_action's forward and sample, with the dropout mask nn.Dropout drew (torch's CPU dropout draws
+    bernoulli(1 - p) noise scaled by 1 / (1 - p): the same draw from the same seed gives the mask)."""
+    torch.manual_seed(seed)
+    probs = policy(torch.from_numpy(state)[None])
+    torch.manual_seed(seed)
+    mask = torch.empty(1, 128).bernoulli_(0.4) / 0.4
+    action = torch.distributions.Categorical(probs).sample()
+    return probs, mask[0].numpy(), int(action)
+
+
+def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutorials_update():
+    """What BatchAgent changes is where the numbers are computed, not the math: numpy_probs with a dropout mask is
+    Policy.forward with that mask, and its update (log-probabilities computed again in one forward, with the masks
+    the actions were sampled with) is the story's Agent.finish_episode from the saved log-probabilities."""
+    torch.manual_seed(0)
+    policy = rpc_rl.Policy()
+    rng = np.random.default_rng(0)
+    states = rng.normal(size=(30, 4)).astype(np.float32)
+    steps = [tutorial_step(policy, state, seed) for seed, state in enumerate(states)]
+    parameters = [parameter.detach().numpy() for parameter in policy.parameters()]
+    for state, (probs, mask, _) in zip(states, steps):
+        np.testing.assert_allclose(rpc_rl.numpy_probs(parameters, state[None], mask), probs.detach().numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rpc_rl.numpy_probs(parameters, states), policy.eval()(torch.from_numpy(states))
+                               .detach().numpy(), rtol=1e-5, atol=1e-6)
+    policy.train()
+
+    def agent(cls, rewards, **fields):
+        made = object.__new__(cls)
+        made.policy = copy.deepcopy(policy)
+        made.optimizer = torch.optim.SGD(made.policy.parameters(), lr=1.0)  # the step is the gradient
+        vars(made).update(eps=np.finfo(np.float32).eps.item(), running_reward=0, episode_rewards=[],
+                          running_rewards=[], rewards=copy.deepcopy(rewards),
+                          args=types.SimpleNamespace(gamma=0.99, truncation="terminal", envs_per_observer=2), **fields)
+        return made
+
+    # two episodes of 10 and 20 steps: of one observer each for the tutorial, of one observer's 2 environments here
+    lengths, episodes = [10, 20], [[1.0] * 10, [1.0] * 20]
+    tutorial = agent(rpc_rl.Agent, {1: episodes[0], 2: episodes[1]}, saved_log_probs={1: [], 2: []})
+    for ob_id, (start, stop) in zip((1, 2), ((0, 10), (10, 30))):
+        for seed in range(start, stop):  # Agent.select_action, with the dropout of step `seed` and its action
+            torch.manual_seed(seed)
+            probs = tutorial.policy(torch.from_numpy(states[seed])[None])
+            action = torch.tensor([steps[seed][2]])
+            tutorial.saved_log_probs[ob_id].append(torch.distributions.Categorical(probs).log_prob(action))
+    # as BatchAgent.act records them, step by step: environment 1 alone after environment 0's 10 steps
+    trajectory = [(np.array(rows), states[list(indices)], np.stack([steps[i][1] for i in indices]),
+                   np.array([steps[i][2] for i in indices])) for rows, indices in
+                  [([0, 1], (t, 10 + t)) for t in range(10)] + [([1], (10 + t,)) for t in range(10, 20)]]
+    batched = agent(rpc_rl.BatchAgent, {(1, 0): episodes[0], (1, 1): episodes[1]}, trajectory=trajectory,
+                    rows={(1, 0): 0, (1, 1): 1}, saved_log_probs={(1, 0): [], (1, 1): []},
+                    truncated={(1, 0): False, (1, 1): False})
+    assert tutorial.finish_episode() == batched.finish_episode() == min(lengths)
+    for expected, parameter in zip(tutorial.policy.parameters(), batched.policy.parameters()):
+        torch.testing.assert_close(parameter, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(tutorial.policy.affine1.weight, policy.affine1.weight)  # one step was made
+    # K = 2 environments: two rounds enter the running reward, as two episodes of the tutorial would
+    assert batched.running_rewards == [pytest.approx(0.05 * 20 + 0.95 * 0.05 * 10)]
+
+
+def test_returns_end_at_a_failure_and_go_on_past_the_time_limit():
+    gamma = 0.9
+    tutorial = types.SimpleNamespace(args=types.SimpleNamespace(gamma=gamma),
+                                     rewards={1: [1.0, 1.0, 1.0], 2: [1.0, 0.0, 2.0]})
+    np.testing.assert_allclose(rpc_rl.Agent.discounted_returns(tutorial, 1), [2.71, 1.9, 1.0])
+    np.testing.assert_allclose(rpc_rl.Agent.discounted_returns(tutorial, 2), [1 + 0.81 * 2, 1.8, 2.0])
+    batched = object.__new__(rpc_rl.BatchAgent)
+    vars(batched).update(rewards={(1, 0): [1.0] * 5, (1, 1): [0.0, 1.0], (2, 0): [1.0, 1.0]},
+                         truncated={(1, 0): True, (1, 1): True, (2, 0): False},
+                         args=types.SimpleNamespace(gamma=gamma, truncation="bootstrap"))
+    # truncated: the last reward goes on forever, so a policy that kept the pole up sees equal returns
+    np.testing.assert_allclose(batched.discounted_returns((1, 0)), [10.0] * 5)
+    np.testing.assert_allclose(batched.discounted_returns((1, 1)), [9.0, 10.0])
+    np.testing.assert_allclose(batched.discounted_returns((2, 0)), [1.9, 1.0])  # ended by a failure
+    batched.args.truncation = "terminal"
+    np.testing.assert_allclose(batched.discounted_returns((1, 0)), [4.0951, 3.439, 2.71, 1.9, 1.0])
+
+
+def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_differently_when_bootstrapped():
+    terminal = finish(start_rpc_rl("--seed", 4, "--max-episodes", 60, "--truncation", "terminal"))
+    rewards = [reward for (reward,) in terminal["episode_rewards"]]
+    assert 500.0 in rewards, "seed 4 no longer reaches the time limit within 60 episodes: pick another seed"
+    first = rewards.index(500.0)
+    bootstrap = finish(start_rpc_rl("--seed", 4, "--max-episodes", first + 5))
+    assert bootstrap["truncation"] == "bootstrap" and terminal["truncation"] == "terminal"
+    bootstrapped = [reward for (reward,) in bootstrap["episode_rewards"]]
+    # identical until the update after that episode, which only the returns' treatment of it changes
+    assert bootstrapped[:first + 1] == rewards[:first + 1]
+    assert bootstrapped[first + 1:] != rewards[first + 1:first + 5]
 
 
 def test_killed_observer_ends_the_run_without_orphans_and_every_socket_is_on_loopback():
@@ -176,55 +320,6 @@ def test_killed_observer_ends_the_run_without_orphans_and_every_socket_is_on_loo
         kill_all(proc)
 
 
-def test_the_numpy_forward_the_agent_acts_with_equals_the_policy_it_learns_with():
-    torch.manual_seed(0)
-    policy = rpc_rl.Policy()
-    states = torch.randn(5, 4)
-    keep_mask = rpc_rl.dropout_keep_mask(np.random.default_rng(0).random((5, rpc_rl.Policy.hidden)))
-    assert set(np.unique(keep_mask)) == {0.0, np.float32(1 / 0.4)}  # inverted dropout, as nn.Dropout(0.6)
-    for mask in (None, keep_mask):
-        expected = policy(states, None if mask is None else torch.from_numpy(mask))
-        probs = rpc_rl.numpy_probs(rpc_rl.numpy_parameters(policy), states.numpy(), mask)
-        assert probs.dtype == np.float32
-        np.testing.assert_allclose(probs, expected.detach().numpy(), rtol=1e-5, atol=1e-6)
-
-
-def test_discounted_returns_end_at_a_failure_and_continue_past_the_time_limit():
-    gamma = 0.9
-    np.testing.assert_allclose(rpc_rl.discounted_returns([1.0, 1.0, 1.0], gamma), [2.71, 1.9, 1.0])
-    np.testing.assert_allclose(rpc_rl.discounted_returns([1.0, 0.0, 2.0], gamma), [1 + 0.81 * 2, 1.8, 2.0])
-    # truncated: the last reward goes on forever, so a policy that kept the pole up sees equal returns
-    np.testing.assert_allclose(rpc_rl.discounted_returns([1.0] * 5, gamma, bootstrap=True), [10.0] * 5)
-    np.testing.assert_allclose(rpc_rl.discounted_returns([0.0, 1.0], gamma, bootstrap=True), [9.0, 10.0])
-
-
-def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_differently_when_bootstrapped():
-    terminal = finish(start_rpc_rl("--seed", 6, "--max-episodes", 140, "--truncation", "terminal"))
-    rewards = [reward for (reward,) in terminal["episode_rewards"]]
-    assert 500.0 in rewards, "seed 6 no longer reaches the time limit within 140 episodes: pick another seed"
-    first = rewards.index(500.0)
-    assert terminal["truncated_episodes"] == rewards.count(500.0)
-    bootstrap = finish(start_rpc_rl("--seed", 6, "--max-episodes", first + 5))
-    assert bootstrap["truncation"] == "bootstrap" and bootstrap["truncated_episodes"] >= 1
-    bootstrapped = [reward for (reward,) in bootstrap["episode_rewards"]]
-    # identical until the update after that episode, which only the returns' treatment of it changes
-    assert bootstrapped[:first + 1] == rewards[:first + 1]
-    assert bootstrapped[first + 1:] != rewards[first + 1:first + 5]
-
-
-@needs_gpus(1)
-def test_the_policy_learns_on_a_gpu():
-    result = finish(start_rpc_rl("--cuda", "--max-episodes", 40, "--seed", 2))
-    assert result["device"] == "cuda:0"
-    rewards = [reward for (reward,) in result["episode_rewards"]]
-    assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
-
-
-# --- Checkpoints and resume; torchrun on two nodes; a copied script ---
-
-SEED_2 = BEFORE_ENVS_PER_OBSERVER["--max-episodes 40 --seed 2"]
-
-
 def test_a_killed_launcher_leaves_nothing():
     """SIGKILL of `python rpc_rl.py` itself (not a worker): its processes end within seconds."""
     proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1)
@@ -240,6 +335,7 @@ def test_a_killed_launcher_leaves_nothing():
         proc.communicate()
 
 
+# --- Checkpoints and resume; torchrun on two nodes ---
 
 # TensorPipe and gloo on loopback (torchrun's defaults otherwise: a restarted round meets in torchrun's shared
 # store under keys of its own, see common.round_store)
@@ -252,14 +348,14 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     with, episode for episode, the rewards, running reward and greedy evaluation of a run that never stopped."""
     checkpoint = tmp_path / "rpc_rl.pt"
     proc = subprocess.Popen(torchrun_command("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "rpc_rl.py",
-                                             "--seed", 2, "--max-episodes", 40, "--eval-episodes", 3, "--log-interval",
+                                             "--seed", 3, "--max-episodes", 40, "--eval-episodes", 3, "--log-interval",
                                              1, "--checkpoint-dir", tmp_path, "--checkpoint-interval", 5, "--resume"),
                             cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_line(proc, "episode 5 |", timeout=100)
         deadline = time.monotonic() + 60
         while not checkpoint.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)  # written right after the log line
+            time.sleep(0.02)  # written right after the update, before the log line
         workers = [child for child in psutil.Process(proc.pid).children(recursive=True)
                    if "rpc_rl.py" in " ".join(child.cmdline())]
         assert len(workers) == 2
@@ -272,22 +368,21 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     assert resumed and 5 <= int(resumed.group(1)) < 40, out[-3000:]
     result = last_json(out)
     assert result["resumed_after_episodes"] == int(resumed.group(1))
-    assert [reward for (reward,) in result["episode_rewards"]] == SEED_2
-    assert result["running_reward"] == 39.287 and result["updates"] == 40
-    assert result["env_steps"] == sum(SEED_2) == result["step_rpcs"]
-    assert result["eval_rewards"] == BEFORE_ENVS_PER_OBSERVER["--max-episodes 40 --seed 2, greedy evaluation"]
-    assert common.load_checkpoint(checkpoint, "rpc_rl", "--resume")["updates"] == 40  # the last one, at the end
-
+    assert [reward for (reward,) in result["episode_rewards"]] == SEED_3
+    assert result["running_reward"] == SEED_3_RUNNING_REWARD and result["eval_rewards"] == SEED_3_EVAL
+    assert result["env_steps"] == sum(SEED_3)
+    assert common.load_checkpoint(checkpoint, "rpc_rl", "--resume")["progress"]["episode_rewards"] == [
+        [reward] for reward in SEED_3]  # the last one, at the end
 
 
 def test_two_torchrun_nodes_on_loopback_give_the_rewards_of_the_spawned_run():
     """`torchrun --nnodes 2`, one process per node (the agent on node 0, an observer on node 1), as two machines
-    would run it: the episode rewards of the spawned run with the same seed (SEED_2, which the spawned runs above
+    would run it: the episode rewards of the spawned run with the same seed (SEED_3, which the spawned runs above
     give). Both "nodes" share this machine's CPUs, so --no-pin-cpus (pinning binds local rank 0 to the first)."""
     port = free_port()
     nodes = [subprocess.Popen(torchrun_command("--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1,
                                                "--master-addr", "127.0.0.1", "--master-port", port, "rpc_rl.py",
-                                               "--max-episodes", 10, "--seed", 2, "--no-pin-cpus"),
+                                               "--max-episodes", 10, "--seed", 3, "--no-pin-cpus"),
                               cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (1, 0)]
     try:
@@ -299,29 +394,47 @@ def test_two_torchrun_nodes_on_loopback_give_the_rewards_of_the_spawned_run():
     assert outputs[0][0] == ""  # node 1 holds an observer, which prints nothing
     result = last_json(outputs[1][0])
     assert result["observers"] == 1
-    assert [reward for (reward,) in result["episode_rewards"]] == SEED_2[:10]
+    assert [reward for (reward,) in result["episode_rewards"]] == SEED_3[:10]
 
 
-def test_the_help_and_the_docstring_name_only_what_a_copy_of_the_script_has(capsys):
-    """A user takes rpc_rl.py and common.py (a copy runs: see the test of the saved policy above)."""
+# conftest's help rule refuses a placeholder that repeats its flag, and common.Seed's placeholder is SEED: until one
+# of them changes, `--seed SEED` breaks that rule (the test below checks every other one). Strict: the mark must go
+# once it passes.
+@pytest.mark.xfail(typing.get_args(common.Seed)[1] == "SEED", strict=True, reason="--seed SEED: common.Seed's "
+                   "placeholder repeats the flag, which conftest.assert_help_follows_the_rules refuses")
+def test_the_help_follows_the_rules(capsys):
+    assert_help_follows_the_rules(rpc_rl, capsys)
+
+
+def test_the_help_is_grouped_and_names_only_what_a_copy_of_the_script_has(capsys):
+    """Grouped, a placeholder by kind, no "(default: None)", no measured figure; and nothing that a user who took
+    rpc_rl.py and common.py alone does not have (a copy runs: see the saved policy's test above)."""
     with pytest.raises(SystemExit) as exit_info:
         rpc_rl.main(["--help"])
     assert exit_info.value.code == 0
-    help_text = capsys.readouterr().out
-    assert "--checkpoint-dir" in help_text and rpc_rl.__doc__.splitlines()[0] in help_text
-    for elsewhere in ("benchmarks", "README", "docs/", "tests/", "shared/", "bench_"):
-        assert elsewhere not in help_text, elsewhere
+    text = capsys.readouterr().out
+    for group in ("The tutorial's settings:", "Beyond the tutorial:", "Output and checkpoints:", "Devices and launch:"):
+        assert f"\n{group}\n" in text, group
+    assert "(default: None)" not in text and max(map(len, text.splitlines())) <= common.HELP_WIDTH
+    placeholders = dict(re.findall(r"^  (--[a-z-]+) ([A-Z]+)\b", text, flags=re.M))
+    assert placeholders["--save"] == placeholders["--load"] == placeholders["--plot"] == "FILE"
+    assert placeholders["--checkpoint-dir"] == "DIR" and placeholders["--rpc-timeout"] == "SECONDS"
+    assert [flag for flag, metavar in placeholders.items() if flag[2:].upper() == metavar] == ["--seed"]
+    for elsewhere in ("benchmarks", "README", "docs/", "tests/", "shared/", "bench_", "see ", "multiple of K"):
+        assert elsewhere not in text, elsewhere
+    assert re.search(r"\d (s|ms|µs|seconds)\b|\d+ steps/s|\d\.\d+x", text) is None, "a measured figure in --help"
 
 
 # --- Bad input: one line, exit status 2, nothing run, nothing written ---
 
 def write_checkpoint_file(path, script="rpc_rl", **changes):
-    """A checkpoint as the agent writes it (a fresh policy and optimizer, no progress), with `changes`."""
+    """A checkpoint as the agent writes it (a new policy and optimizer, no progress), with `changes`."""
     torch.manual_seed(0)
     policy = rpc_rl.Policy()
-    state = {**dict.fromkeys(rpc_rl.CHECKPOINT_KEYS, 0), "recipe": rpc_rl.recipe(rpc_rl.Args(), 2),
-             "policy": policy.state_dict(),
-             "optimizer": torch.optim.Adam(policy.parameters(), lr=rpc_rl.Args.lr).state_dict(), **changes}
+    args = rpc_rl.Args(truncation="bootstrap")
+    state = {"recipe": rpc_rl.recipe(args, 2), "policy": policy.state_dict(),
+             "optimizer": torch.optim.Adam(policy.parameters(), lr=args.lr).state_dict(), "rng": {},
+             "progress": {name: 0 for name in rpc_rl.PROGRESS}, **changes}
     path.parent.mkdir(parents=True, exist_ok=True)
     common.save_checkpoint(path, script, state)
 
@@ -342,76 +455,135 @@ def bad_files(tmp_path):
     (tmp_path / "damaged.pt").write_bytes(damaged)
     write_checkpoint_file(tmp_path / "multi_gpu.pt", script="multi_gpu")
     torch.save(rpc_rl.Policy().state_dict(), tmp_path / "bare_state_dict.pt")  # not through save_checkpoint
-    write_checkpoint_file(tmp_path / "wide.pt", policy={**rpc_rl.Policy().state_dict(),
-                                                        "affine1.weight": torch.zeros(64, 4)})
+    wide = {**rpc_rl.Policy().state_dict(), "affine1.weight": torch.zeros(64, 4)}
+    write_checkpoint_file(tmp_path / "wide.pt", policy=wide)
+    common.save_checkpoint(tmp_path / "no_policy.pt", "rpc_rl", {"weights": wide})
     (tmp_path / "unreadable.pt").write_bytes(good)
     (tmp_path / "unreadable.pt").chmod(0)
+    os.mkfifo(tmp_path / "fifo")
     (tmp_path / "ckpt_text").mkdir()
     (tmp_path / "ckpt_text" / "rpc_rl.pt").write_text("garbage")
     write_checkpoint_file(tmp_path / "ckpt_lr" / "rpc_rl.pt")  # written with --lr 0.01
-    rpc_rl.save_policy(rpc_rl.Policy(), tmp_path / "ckpt_policy_only" / "rpc_rl.pt")  # a --save file
+    common.save_checkpoint(tmp_path / "ckpt_policy_only" / "rpc_rl.pt", "rpc_rl", {"policy": wide})  # a --save file
     (tmp_path / "ckpt_folder" / "rpc_rl.pt").mkdir(parents=True)
+    (tmp_path / "ckpt_fifo").mkdir()
+    os.mkfifo(tmp_path / "ckpt_fifo" / "rpc_rl.pt")
     write_checkpoint_file(tmp_path / "ckpt_optimizer" / "rpc_rl.pt",
                           optimizer={"state": {}, "param_groups": [{"params": [0]}]})
+    write_checkpoint_file(tmp_path / "ckpt_wide" / "rpc_rl.pt", policy=wide)
+    policy = rpc_rl.Policy()
+    adam = torch.optim.Adam(policy.parameters())
+    policy(torch.zeros(1, 4)).sum().backward()
+    adam.step()
+    adam_state = adam.state_dict()
+    adam_state["state"][0]["exp_avg"] = torch.zeros(64, 4)  # Adam's moment of a weight of another shape
+    write_checkpoint_file(tmp_path / "ckpt_adam" / "rpc_rl.pt", optimizer=adam_state)
     yield tmp_path
     (tmp_path / "unreadable.pt").chmod(0o600)
 
 
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+NOT_ROOT = pytest.mark.skipif(ROOT, reason="root reads files whatever their permissions")
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500"}
 BAD_INVOCATIONS = [
+    # numbers out of range: each flag's kind
     ("--world-size 1", "world size 1: need at least 2 processes"),
-    ("--world-size 0", "world size 0"),
-    ("--world-size two", "invalid int value: 'two'"),
-    ("--envs-per-observer 0", "--envs-per-observer must be at least 1, not 0"),
-    ("--envs-per-observer -2", "--envs-per-observer must be at least 1, not -2"),
-    ("--max-episodes -1", "--max-episodes must be 0 or more"),
+    ("--world-size 0", "--world-size 0: not a whole number, 1 or more"),
+    ("--world-size two", "--world-size two: not a whole number"),
+    ("--world-size 100000", "--world-size 100000: more than"),  # new: 4 processes per CPU at most
+    ("--envs-per-observer 0", "--envs-per-observer 0: not a whole number, 1 or more"),
+    ("--envs-per-observer -2", "--envs-per-observer -2: not a whole number, 1 or more"),
+    ("--max-episodes -1", "--max-episodes -1: not a whole number, 0 or more"),
+    ("--max-episodes 1e3", "--max-episodes 1e3: not a whole number"),  # new
     ("--max-episodes 0", "nothing to do"),
-    ("--eval-episodes -3", "--eval-episodes must be 0 or more"),
-    ("--gamma nan", "'nan' is not a finite number"),
-    ("--gamma inf", "'inf' is not a finite number"),
-    ("--gamma 0", "--gamma must be in (0, 1], not 0.0"),
-    ("--gamma 1", "use --truncation terminal"),
-    ("--lr 0", "--lr must be positive"),
-    ("--lr -0.001", "--lr must be positive, not -0.001"),
-    ("--rpc-timeout 0", "--rpc-timeout must be positive"),
-    ("--rpc-timeout=-inf", "'-inf' is not a finite number"),
-    ("--log-interval 0", "--log-interval must be at least 1"),
-    ("--checkpoint-interval 0", "--checkpoint-interval must be at least 1"),
-    ("--seed -1", "--seed must be 0 or more"),
-    ("--truncation never", "invalid choice: 'never'"),
+    ("--eval-episodes -3", "--eval-episodes -3: not a whole number, 0 or more"),
+    ("--eval-episodes 99999999999999999999", "--eval-episodes 99999999999999999999: not a whole number"),  # new
+    ("--gamma nan", "--gamma nan: not a positive number"),
+    ("--gamma inf", "--gamma inf: not a positive number"),
+    ("--gamma 0", "--gamma 0: not a positive number"),
+    ("--gamma 1", "--gamma 1.0: pass a discount factor below 1, or 1 with --truncation terminal"),
+    ("--gamma 1.5 --truncation terminal", "--gamma 1.5: pass a discount factor below 1"),  # new
+    ("--lr 0", "--lr 0: not a positive number"),
+    ("--lr -0.001", "--lr -0.001: not a positive number"),
+    ("--rpc-timeout 0", "--rpc-timeout 0: not a positive number of seconds"),
+    ("--rpc-timeout=-inf", "--rpc-timeout -inf: not a positive number of seconds"),
+    ("--rpc-timeout 10m", "--rpc-timeout 10m: not a positive number of seconds"),  # new
+    ("--log-interval 0", "--log-interval 0: not a whole number, 1 or more"),
+    ("--checkpoint-interval 0", "--checkpoint-interval 0: not a whole number, 1 or more"),
+    ("--seed -1", "--seed -1: not a seed from 0 to 2**32 - 1"),
+    ("--seed 12345678901234567890", "--seed 12345678901234567890: not a seed from 0 to 2**32 - 1"),  # new
+    ("--truncation never", "argument --truncation: invalid choice: 'never'"),
+    # flags that do not fit together
+    ("--tutorial --envs-per-observer 4", "--tutorial runs the tutorial's code alone: leave out --envs-per-observer, "
+     "--truncation bootstrap, --eval-episodes, --save, --plot and --checkpoint-dir"),  # new
+    ("--tutorial --truncation bootstrap", "--tutorial runs the tutorial's code alone: leave out"),  # new
+    ("--tutorial --eval-episodes 2 --plot {tmp}/c.png", "--tutorial runs the tutorial's code alone: leave out"),  # new
+    ("--tutorial --checkpoint-dir {tmp}/ck --resume", "--tutorial runs the tutorial's code alone: leave out"),  # new
+    ("--resume", "--resume needs --checkpoint-dir"),
+    # empty values: never "not given"
+    ("--checkpoint-dir=", "--checkpoint-dir '': an empty value"),  # new
+    ("--load=", "--load '': an empty value"),  # new
+    ("--plot=", "--plot : name a .png, .pdf, .svg file"),  # new (common checks the format first)
+    # paths the file system refuses, outputs that are not regular files, formats this script does not write
     ("--load {tmp}/missing.pt", "--load {tmp}/missing.pt: no such file"),
-    ("--load {tmp}/folder", "is a folder, not a file"),
-    ("--load {tmp}/empty.pt", "not a readable checkpoint"),
+    ("--load {tmp}/folder", "--load {tmp}/folder: not a regular file; pass a file"),
+    ("--load /dev/null", "--load /dev/null: not a regular file"),  # new
+    ("--load {tmp}/fifo", "--load {tmp}/fifo: not a regular file"),  # new
+    pytest.param("--load {tmp}/unreadable.pt", "cannot be read", {}, marks=NOT_ROOT),
+    ("--save {tmp}/folder", "--save {tmp}/folder: not a regular file; pass a file name"),
+    ("--save /dev/null", "--save /dev/null: not a regular file"),  # new: the rename would replace the device
+    ("--save {tmp}/fifo", "--save {tmp}/fifo: not a regular file"),  # new
+    ("--save {tmp}/missing/policy.pt", "folder {tmp}/missing does not exist"),
+    ("--save {tmp}/" + "p" * 300 + ".pt", "File name too long"),  # new
+    ("--plot {tmp}/good.pt/curve.png", "--plot {tmp}/good.pt/curve.png: Not a directory; pass another path"),
+    ("--plot {tmp}/curve.txt", "--plot {tmp}/curve.txt: name a .png, .pdf, .svg file"),  # new
+    ("--plot {tmp}/curve", "--plot {tmp}/curve: name a .png, .pdf, .svg file"),  # new
+    ("--checkpoint-dir {tmp}/good.pt", "{tmp}/good.pt is not a folder; pass a folder"),
+    ("--checkpoint-dir /dev/null", "--checkpoint-dir /dev/null: /dev/null is not a folder"),  # new
+    ("--checkpoint-dir {tmp}/" + "c" * 300, "File name too long"),  # new
+    ("--checkpoint-dir {tmp}/ckpt_folder", "--checkpoint-dir {tmp}/ckpt_folder/rpc_rl.pt: not a regular file"),
+    ("--checkpoint-dir {tmp}/ckpt_fifo --resume", "--checkpoint-dir {tmp}/ckpt_fifo/rpc_rl.pt: not a regular file"),
+    # files that are not this script's, or whose contents do not fit
+    ("--load {tmp}/empty.pt", "--load {tmp}/empty.pt: not a readable checkpoint"),
     ("--load {tmp}/text.pt", "not a readable checkpoint"),
     ("--load {tmp}/truncated.pt", "not a readable checkpoint"),
-    ("--load {tmp}/damaged.pt", "damaged (its contents do not match the checksum"),
-    ("--load {tmp}/multi_gpu.pt", "a checkpoint of multi_gpu.py, not of rpc_rl.py"),
-    ("--load {tmp}/bare_state_dict.pt", "not a checkpoint written by rpc_rl.py"),
-    ("--load {tmp}/wide.pt", "its policy does not fit this script's (size mismatch for affine1.weight"),
-    pytest.param("--load {tmp}/unreadable.pt", "cannot be read",
-                 marks=pytest.mark.skipif(ROOT, reason="root reads files whatever their permissions")),
-    ("--save {tmp}/folder", "--save {tmp}/folder: is a folder; pass a file name"),
-    ("--save {tmp}/missing/policy.pt", "folder {tmp}/missing does not exist"),
-    ("--plot {tmp}/good.pt/curve.png", "folder {tmp}/good.pt does not exist"),
-    ("--checkpoint-dir {tmp}/good.pt", "is a file; pass a folder"),
-    ("--resume", "--resume needs --checkpoint-dir"),
+    ("--load {tmp}/damaged.pt", "damaged ("),
+    ("--load {tmp}/multi_gpu.pt", "written by multi_gpu, not by rpc_rl.py"),
+    ("--load {tmp}/bare_state_dict.pt", "written by another program, not by rpc_rl.py"),
+    ("--load {tmp}/no_policy.pt", "--load {tmp}/no_policy.pt: lacks policy"),  # new
+    ("--load {tmp}/wide.pt", "--load {tmp}/wide.pt: does not fit this model (size mismatch for affine1.weight"),
     ("--resume --checkpoint-dir {tmp}/ckpt_text", "--resume {tmp}/ckpt_text/rpc_rl.pt: not a readable checkpoint"),
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --lr 0.02", "'lr': 0.01, 'truncation': 'bootstrap'}}, not {{"),
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --world-size 3", "pass the same flags or another --checkpoint-dir"),
-    ("--resume --checkpoint-dir {tmp}/ckpt_policy_only", "lacks recipe, optimizer"),
-    ("--resume --checkpoint-dir {tmp}/ckpt_folder", "ckpt_folder/rpc_rl.pt is a folder"),
-    ("--resume --checkpoint-dir {tmp}/ckpt_optimizer", "its optimizer state does not fit the policy"),
-    pytest.param("--cuda", "--cuda: no CUDA GPU found",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+    ("--resume --checkpoint-dir {tmp}/ckpt_lr --truncation terminal", "pass the same flags"),  # new
+    ("--resume --checkpoint-dir {tmp}/ckpt_policy_only", "lacks recipe, optimizer, progress, rng"),
+    ("--resume --checkpoint-dir {tmp}/ckpt_wide", "--resume {tmp}/ckpt_wide/rpc_rl.pt: does not fit this model (size "
+                                                   "mismatch for affine1.weight"),  # new
+    ("--resume --checkpoint-dir {tmp}/ckpt_optimizer", "--resume {tmp}/ckpt_optimizer/rpc_rl.pt: does not fit this "
+                                                       "model"),
+    ("--resume --checkpoint-dir {tmp}/ckpt_adam", "its optimizer state does not fit the parameters"),  # new
+    # launcher variables set by hand: checked before any file is read
+    ("", "LOCAL_WORLD_SIZE, MASTER_PORT, MASTER_ADDR not set", {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
+    ("", "MASTER_ADDR not set", {**TORCHRUN, "MASTER_ADDR": ""}),  # new
+    ("--load {tmp}/wide.pt", "RANK=2 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_PORT=29500: want ranks below "
+                             "their sizes", {**TORCHRUN, "RANK": "2"}),  # new
+    ("", "MASTER_PORT=http: want ranks below", {**TORCHRUN, "MASTER_PORT": "http"}),  # new
+    ("", "world size 1: need at least 2 processes", {**TORCHRUN, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}),  # new
 ]
+BAD_INVOCATIONS = [row if isinstance(row, tuple) and len(row) == 3 or not isinstance(row, tuple) else (*row, {})
+                   for row in BAD_INVOCATIONS]
 
 
-
-@pytest.mark.parametrize("argv, message", BAD_INVOCATIONS)
-def test_bad_input_is_one_line_exit_2_before_any_work_and_nothing_is_written(argv, message, bad_files, capsys,
+@pytest.mark.parametrize("argv, message, env", BAD_INVOCATIONS)
+def test_bad_input_is_one_line_exit_2_before_any_work_and_nothing_is_written(argv, message, env, bad_files, capsys,
                                                                              monkeypatch):
     """main() in this process, as `python rpc_rl.py ARGV` runs it (common.run_main): no process is launched."""
-    monkeypatch.setattr(rpc_rl, "launch", lambda *args, **kwargs: pytest.fail("the run was launched"))
+    monkeypatch.setattr(common, "launch", lambda *args, **kwargs: pytest.fail("the run was launched"))
+    for name in common.TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     before = tree(bad_files)
     with pytest.raises(SystemExit) as exit_info:
         common.run_main(lambda: rpc_rl.main(argv.format(tmp=bad_files).split()))
@@ -422,19 +594,35 @@ def test_bad_input_is_one_line_exit_2_before_any_work_and_nothing_is_written(arg
     assert tree(bad_files) == before
 
 
-def test_a_resumable_checkpoint_passes_the_checks(bad_files, monkeypatch):
-    """The other side of the table: the checkpoints made for it fail for the reason given, not for any reason."""
-    launched = []
-    monkeypatch.setattr(rpc_rl, "launch", lambda *args, **kwargs: launched.append(args))
-    rpc_rl.main(["--resume", "--checkpoint-dir", str(bad_files / "ckpt_lr"), "--load", str(bad_files / "good.pt")])
-    assert len(launched) == 1
+def test_the_command_line_refuses_bad_input_in_one_line_before_starting_anything(tmp_path):
+    """The same through `python rpc_rl.py` itself (its entry point): exit 2, one line, no process started."""
+    proc = run_script("rpc_rl.py", "--plot", tmp_path / "curve.txt", "--save", tmp_path / "policy.pt", timeout=60)
+    assert_usage_error(proc, f"rpc_rl.py: error: --plot {tmp_path}/curve.txt: name a .png, .pdf, .svg file")
+    assert list(tmp_path.iterdir()) == [] and proc.stdout == ""
+
+
+def test_a_resumable_checkpoint_passes_the_checks_and_is_read_once(bad_files, monkeypatch):
+    """The other side of the table: the checkpoints made for it fail for the reason given, not for any reason; the
+    one that fits is read once, in main, and handed to the agent (which wins over --load)."""
+    launched, reads = [], []
+    monkeypatch.setattr(common, "launch", lambda *args, **kwargs: launched.append(args))
+    load = common.load_checkpoint
+    monkeypatch.setattr(common, "load_checkpoint", lambda *args, **kwargs: reads.append(args) or load(*args, **kwargs))
+    rpc_rl.main(["--resume", "--checkpoint-dir", str(bad_files / "ckpt_lr"), "--load", str(bad_files / "good.pt")],
+                agent_class=rpc_rl.CheckpointedAgent)
+    (_, world_size, args, agent_class, saved), = launched
+    assert world_size == 2 and agent_class is rpc_rl.CheckpointedAgent and args.truncation == "bootstrap"
+    assert len(reads) == 1 and set(saved) >= {"recipe", "policy", "optimizer", "progress", "rng"}
+    rpc_rl.main(["--world-size", "40", "--oversubscribe", "--tutorial", "--load", str(bad_files / "good.pt")])
+    assert launched[1][1] == 40 and launched[1][3] is rpc_rl.Agent and launched[1][2].truncation == "terminal"
+    assert set(launched[1][4]) == {"policy"}
 
 
 # --- Failures during the run ---
 
 def test_a_stopped_observer_is_named_and_every_process_ends():
-    """SIGSTOP of an observer: the launcher names it after --rpc-timeout / 2 s of silence (before any RPC times
-    out and blames nobody in particular) and ends every process, the stopped one included."""
+    """SIGSTOP of an observer: the launcher names it after --rpc-timeout / 2 s stopped (before any RPC times out and
+    blames nobody in particular) and ends every process, the stopped one included."""
     proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1, "--rpc-timeout", 8)
     try:
         wait_for_line(proc, "episode 1 |", timeout=100)
@@ -443,11 +631,11 @@ def test_a_stopped_observer_is_named_and_every_process_ends():
         stopped_at = time.monotonic()
         workers[1].send_signal(signal.SIGSTOP)
         _, err = proc.communicate(timeout=60)
-        assert 4 - common.HEARTBEAT_S <= time.monotonic() - stopped_at < 8 + 5  # silent since its last heartbeat
+        assert 4 <= time.monotonic() - stopped_at < 8 + 5
         assert proc.returncode == 1, err
         assert "Traceback" not in err, err
-        assert re.fullmatch(rf"error: process 1 \(pid {workers[1].pid}\) sent no sign of life for \d+ s \(stopped\); "
-                            r"the other processes were stopped", err.strip().splitlines()[-1]), err
+        assert re.fullmatch(rf"error: process 1 \(pid {workers[1].pid}\) has been stopped for \d+ s; the other "
+                            r"processes were stopped", err.strip().splitlines()[-1]), err
         assert_all_ended(workers, timeout=5)
     finally:
         kill_all(proc)
@@ -475,25 +663,29 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line_and_keeps_
     finally:
         kill_all(proc)
     saved = common.load_checkpoint(checkpoint, "rpc_rl", "--resume", keys=rpc_rl.CHECKPOINT_KEYS)
-    assert saved["updates"] >= 1 and [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
+    assert len(saved["progress"]["episode_rewards"]) >= 1
+    assert [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
 
 
-def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path):
-    """--save through the same atomic write (here in this process, under a file-size limit): RunFailed, which
-    the run prints as its one line, and the previous policy file still loads."""
+def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path, monkeypatch):
+    """--save at the end of a run (CheckpointedAgent.report, here in this process under a file-size limit): the
+    run's one line (RunFailed) names --save, and the previous policy file still loads."""
     path = tmp_path / "policy.pt"
     torch.manual_seed(0)
-    previous = rpc_rl.Policy()
-    rpc_rl.save_policy(previous, path)
+    previous = rpc_rl.Policy().state_dict()
+    common.save_checkpoint(path, "rpc_rl", {"policy": previous}, "--save")
+    agent = object.__new__(rpc_rl.CheckpointedAgent)
+    vars(agent).update(policy=rpc_rl.Policy(), args=types.SimpleNamespace(save=str(path)))
+    monkeypatch.setattr(rpc_rl.CheckpointedAgent, "evaluate", lambda *args: pytest.fail("evaluated after a failure"))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
     try:
         with pytest.raises(common.RunFailed) as error:
-            rpc_rl.save_policy(rpc_rl.Policy(), path)
+            agent.report(False, 1.0, 0)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert f"cannot write {path}" in str(error.value) and "pass another --save" in str(error.value)
     assert "\n" not in str(error.value)
-    kept = rpc_rl.read_policy(path, "--load")
-    assert all(torch.equal(kept[name], value) for name, value in previous.state_dict().items())
+    kept = common.load_checkpoint(path, "rpc_rl", "--load", keys=("policy",))["policy"]
+    assert all(torch.equal(kept[name], value) for name, value in previous.items())
     assert [item.name for item in tmp_path.iterdir()] == ["policy.pt"]
