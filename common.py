@@ -110,7 +110,7 @@ FIGURE_FORMATS = (".png", ".pdf", ".svg")  # what save_figure writes
 
 
 def figure_file(flag, path):
-    check(Path(path).suffix.lower() in FIGURE_FORMATS, f"{flag} {path}: name a {', '.join(FIGURE_FORMATS)} file")
+    check(Path(_text(flag, path)).suffix.lower() in FIGURE_FORMATS, f"{flag} {path}: name a .png, .pdf or .svg file")
     return output_file(flag, path)
 
 
@@ -384,7 +384,7 @@ def launch(worker, world_size, *args, timeout=60.0):
         try:
             worker(info, *args)
         except RuntimeError as error:  # gloo's, TensorPipe's and NCCL's errors when a peer is gone
-            if not (isinstance(error, dist.DistError) or "peer" in str(error)):
+            if not (isinstance(error, dist.DistError) or any(sign in str(error) for sign in ("peer", "tensorpipe"))):
                 raise
             sys.exit(f"process {info.rank} lost a peer ({str(error).strip().splitlines()[0][:200]}); torchrun "
                      f"restarts the group if --max-restarts allows, else ends the run")

@@ -328,15 +328,6 @@ def run_worker(info, args, agent_class, saved):
     rpc.shutdown()
 
 
-def main(argv=None, agent_class=Agent):
-    """Check the flags, then start the processes: the tutorial's Agent with --tutorial, else agent_class (the
-    command line of this script passes the agent that builds on Agent below)."""
-    args = common.parse_args(Args, argv)
-    saved = validate(args)
-    common.launch(run_worker, common.process_count(args.world_size), args, Agent if args.tutorial else agent_class,
-                  saved, timeout=args.rpc_timeout)
-
-
 # --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers, in numpy ---
 
 class BatchObserver(Observer):
@@ -539,5 +530,16 @@ def plot_learning_curve(agent, path):
     common.save_figure(figure, path, "--plot")
 
 
+# --- main: the flags, then the processes ---
+
+def main(argv=None):
+    """Check the flags, then start the processes: the agent is the tutorial's with --tutorial, else the
+    CheckpointedAgent that builds on it."""
+    args = common.parse_args(Args, argv)
+    saved = validate(args)
+    agent_class = Agent if args.tutorial else CheckpointedAgent
+    common.launch(run_worker, common.process_count(args.world_size), args, agent_class, saved, timeout=args.rpc_timeout)
+
+
 if __name__ == "__main__":
-    common.run_main(lambda: main(agent_class=CheckpointedAgent))
+    common.run_main(main)

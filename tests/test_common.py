@@ -180,7 +180,7 @@ BAD_VALUES = [  # (flag, value, the start of the message after "--flag value: ")
     ("save", "/dev/null", "not a regular file"), ("save", "{tmp}/fifo", "not a regular file"),
     ("save", "{tmp}", "not a regular file"), ("save", "{tmp}/missing/x.pt", "folder {tmp}/missing does not exist"),
     ("save", "{tmp}/file/x.pt", "Not a directory"), ("save", "{tmp}/" + LONG, "File name too long"),
-    ("plot", "{tmp}/curve.txt", "name a .png, .pdf, .svg file"), ("plot", "{tmp}/curve", "name a .png"),
+    ("plot", "{tmp}/curve.txt", "name a .png, .pdf or .svg file"), ("plot", "{tmp}/curve", "name a .png"),
     ("plot", "/dev/null", "name a .png"), ("plot", "{tmp}/missing/c.png", "folder {tmp}/missing does not exist"),
     ("out", "/dev/null", "/dev/null is not a folder"), ("out", "{tmp}/file", "{tmp}/file is not a folder"),
     ("out", "{tmp}/file/below", "Not a directory"), ("out", "{tmp}/" + LONG, "File name too long"),
