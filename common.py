@@ -405,9 +405,10 @@ def launch(worker, world_size, *args, timeout=60.0):
     except KeyboardInterrupt:
         failure = "interrupted", 130
     finally:
-        for process in processes:
+        for process in processes:  # all at once: a peer that outlives the culprit would log its lost connection
             if process.is_alive():
                 process.kill()  # SIGKILL: also ends a stopped process, which would never act on SIGTERM
+        for process in processes:
             if process.pid is not None:
                 process.join()
         shutil.rmtree(run_dir, ignore_errors=True)
