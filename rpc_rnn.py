@@ -30,10 +30,11 @@ The trainer prints (the ps says nothing unless it fails); the last lines of a ru
     {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": 9.83, ...}
 """
 
+import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -41,10 +42,8 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 import torch.nn.functional as F
-from torch import optim
 from torch.distributed import rpc
 from torch.distributed.optim import DistributedOptimizer
-from torch.nn.utils import skip_init
 
 import common
 from common import DataDir, InFile, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
@@ -126,21 +125,19 @@ def validate(args):
     type in Args), checked before any data is read: each broken rule is one line and exit status 2."""
     check(0 <= args.dropout < 1, f"--dropout {args.dropout}: not from 0 up to, not including, 1")
     check(not args.cuda or common.cuda_device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
+    writes = args.save or args.checkpoint_dir or args.resume
     if args.generate:
-        check(args.load, "--generate needs a saved model: pass --load FILE (written by --save or --checkpoint-dir)")
-        check(not (args.save or args.checkpoint_dir or args.resume or args.check_gradients),
-              "--generate only samples from --load; drop --save, --checkpoint-dir, --resume and --check-gradients")
+        check(args.load and not (writes or args.check_gradients), "--generate N samples from a saved model only: "
+              "pass --load FILE, and no --save, --checkpoint-dir, --resume or --check-gradients")
         return
     check(args.load is None, "--load is read by --generate only: pass --generate N to sample from it, or "
                              "--checkpoint-dir DIR --resume to continue an interrupted run")
-    check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (masks differ)")
-    check(not (args.check_gradients and (args.save or args.checkpoint_dir)),
-          "--check-gradients writes nothing; drop --save and --checkpoint-dir")
-    check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
-    check(not args.checkpoint_interval or args.checkpoint_dir, "--checkpoint-interval needs --checkpoint-dir DIR")
-    check(common.process_count(2) == 2,
-          "rpc_rnn.py runs as exactly 2 processes (ps and trainer); pass --nproc-per-node 2 to torchrun, or run "
-          "it on 2 nodes with --nproc-per-node 1")
+    check(not args.check_gradients or (args.dropout == 0 and not writes), "--check-gradients needs --dropout 0 "
+          "(the two sides draw other dropout masks) and writes nothing: drop --save, --checkpoint-dir and --resume")
+    check(args.checkpoint_dir or not (args.resume or args.checkpoint_interval),
+          "--resume and --checkpoint-interval need --checkpoint-dir DIR (where the checkpoint is)")
+    check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
+                                        "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
     if args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():
         common.output_file("--checkpoint-dir", str(checkpoint_path(args)))
         check(args.save is None or Path(args.save).resolve() != checkpoint_path(args).resolve(),
@@ -158,8 +155,8 @@ def settle(module):
     the tensors a call receives or returns. A call that writes tensors it does not return (building a piece, clipping
     gradients, loading weights, DistributedOptimizer.step, which synchronises nothing) could otherwise return before
     its writes are done, and a call that reads what another call wrote (the gradients backward left in the autograd
-    context, the weights a step updated) could read them early. Such calls settle the device they touch: writers
-    last, readers of others' writes first. Nothing to do on the CPU."""
+    context, the weights a step updated) could read them early. Such calls settle the device they touch (run_on):
+    writers last, readers of others' writes first. Nothing to do on the CPU."""
     for device in {param.device for param in module.parameters() if param.is_cuda}:
         torch.cuda.synchronize(device)
 
@@ -173,7 +170,7 @@ class EmbeddingTable(nn.Module):
         # The ps builds this and the Decoder at the same time, in two RPC threads: drawn from the global RNG, their
         # weights would depend on how the threads interleave. A generator of their own, and no default init
         # (skip_init), keep them reproducible and leave the global RNG to dropout.
-        self.encoder = skip_init(nn.Embedding, ntoken, ninp)
+        self.encoder = nn.utils.skip_init(nn.Embedding, ntoken, ninp)
         self.encoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
         settle(self.to(device))  # built in an RPC handler
 
@@ -187,7 +184,7 @@ class Decoder(nn.Module):
     def __init__(self, ntoken, nhid, dropout, seed, device="cpu"):
         super().__init__()
         self.drop = nn.Dropout(dropout)
-        self.decoder = skip_init(nn.Linear, nhid, ntoken)  # see EmbeddingTable
+        self.decoder = nn.utils.skip_init(nn.Linear, nhid, ntoken)  # see EmbeddingTable
         self.decoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
         self.decoder.bias.data.zero_()
         settle(self.to(device))
@@ -241,21 +238,14 @@ class RNNModel(nn.Module):
         return self.decoder_rref.rpc_sync().loss(output, targets), hidden
 
     def parameter_rrefs(self):
-        remote_params = []
-        # get RRefs of embedding table
-        remote_params.extend(_remote_method(_parameter_rrefs, self.emb_table_rref))
-        # create RRefs for local parameters
-        remote_params.extend(_parameter_rrefs(self.rnn))
-        # get RRefs of decoder
-        remote_params.extend(_remote_method(_parameter_rrefs, self.decoder_rref))
-        return remote_params
+        """RRefs to the parameters of the embedding table (made on the ps), the LSTM (here) and the decoder (the ps)."""
+        return (_remote_method(_parameter_rrefs, self.emb_table_rref) + _parameter_rrefs(self.rnn)
+                + _remote_method(_parameter_rrefs, self.decoder_rref))
 
     def train(self, mode=True):
-        """nn.Module.train, and the ps's pieces too (their dropout)."""
-        super().train(mode)
-        for rref in (self.emb_table_rref, self.decoder_rref):
-            _remote_method(_set_train_mode, rref, mode)
-        return self
+        """Beyond the tutorial: nn.Module.train on the ps's pieces too (their dropout); eval() calls it."""
+        on_pieces(self, nn.Module.train, mode)
+        return super().train(mode)
 
 
 def _call_method(method, rref, *args):
@@ -272,14 +262,9 @@ def _parameter_rrefs(module):
     return [rpc.RRef(param) for param in module.parameters()]
 
 
-def _set_train_mode(module, mode):
-    module.train(mode)  # and return None: nn.Module.train returns the module, which RPC would send back whole
-
-
 def init_hidden(rnn, batch_size, device="cpu"):
     """The LSTM's initial (h, c) state: zeros for batch_size streams."""
-    shape = (rnn.num_layers, batch_size, rnn.hidden_size)
-    return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+    return tuple(torch.zeros(rnn.num_layers, batch_size, rnn.hidden_size, device=device) for _ in range(2))
 
 
 def detach_hidden(hidden):
@@ -291,31 +276,18 @@ def detach_hidden(hidden):
 # The tutorial's training loop: distributed autograd and torch's DistributedOptimizer
 # ---------------------------------------------------------------------------------------------------------
 
-class PlainSGD(optim.SGD):
+class PlainSGD(torch.optim.SGD):
     """torch.optim.SGD under a name of its own. DistributedOptimizer swaps the optimizers it knows (optim.SGD among
     them) for TorchScript versions: TorchScript is deprecated, and every owner then prints a DeprecationWarning that
     no warnings filter silences (torch forces it). Any other class it builds on each owner as it is and steps with
     the context's gradients, and only logs that this may be slow under the GIL: see run_trainer."""
 
 
-def train_step(model, opt, input, targets, hidden, clip):
-    """One bptt window: forward and backward across both processes, then one SGD step on each owner. No zero_grad:
-    the gradients live in the window's own autograd context, dropped when it ends."""
-    with dist_autograd.context() as context_id:
-        loss, hidden = model.loss(input, targets, detach_hidden(hidden))
-        dist_autograd.backward(context_id, [loss])
-        clip_grad_norm(model, context_id, clip)  # beyond the tutorial: the recipe clips
-        opt.step(context_id)
-        for piece in pieces(model).values():
-            run_on(piece, settle)  # the step's writes done before the next window reads the weights (GPU)
-    return loss.item(), hidden
-
-
 def run_trainer(args, corpus, device, ps_device, saved):
     """The trainer's run: epochs of bptt windows, validation after each (lr / 4 when it did not improve, the best
     weights kept), then the test of the best weights. The ps only answers the RPCs this makes."""
-    # An optimizer without TorchScript (PlainSGD) makes DistributedOptimizer log a warning about the GIL, which
-    # concerns threads training in one process: here each owner of parameters is a process of its own.
+    # The GIL warning of an optimizer without TorchScript (PlainSGD) concerns threads training in one process: here
+    # each owner of parameters is a process of its own.
     logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
     model = RNNModel(PS_NAME, len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed,
                      device, ps_device, args.ship_logits)
@@ -325,37 +297,45 @@ def run_trainer(args, corpus, device, ps_device, saved):
     valid_data, test_data = (batchify(data, args.eval_batch_size, device) for data in (corpus.valid, corpus.test))
     batches = min(math.ceil((train_data.size(0) - 1) / args.bptt), args.max_batches or math.inf)
     run = resume(args, model, saved, device, ps_device) if saved else Progress(lr=args.lr)
-    param_rrefs = model.parameter_rrefs()
     while run.epoch <= args.epochs:
         # SGD keeps no state but lr: a new optimizer with this epoch's lr continues exactly where the last one was
-        opt = DistributedOptimizer(PlainSGD, param_rrefs, lr=run.lr)
+        opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=run.lr)
         model.train()
         hidden = run.hidden or init_hidden(model.rnn, args.batch_size, device)
         epoch_start = since = time.perf_counter()
-        epoch_tokens = count = tokens = 0
+        count = tokens = 0  # since the last log line
         for batch in range(run.batch, batches):
             input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
-            loss, hidden = train_step(model, opt, input, targets, hidden, args.clip)
-            run.losses.append(loss)
+            # create distributed autograd context
+            with dist_autograd.context() as context_id:
+                hidden = detach_hidden(hidden)
+                loss, hidden = model.loss(input, targets, hidden)
+                # run distributed backward pass
+                dist_autograd.backward(context_id, [loss])
+                clip_grad_norm(model, context_id, args.clip)  # beyond the tutorial: the recipe clips
+                # run distributed optimizer; no zero_grad: the gradients live in this context, which ends here
+                opt.step(context_id)
+                on_pieces(model, settle)  # the step's writes done (GPU) before the next window reads the weights
+            run.losses.append(loss.item())
             count, tokens = count + 1, tokens + targets.numel()
             if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
-                mean = sum(run.losses[-(batch % args.log_interval + 1):]) / (batch % args.log_interval + 1)
-                seconds = time.perf_counter() - since
-                print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | "
-                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
+                interval, seconds = batch % args.log_interval + 1, time.perf_counter() - since  # a resume included
+                mean = sum(run.losses[-interval:]) / interval
+                print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | {1000 * seconds / count:.1f} "
+                      f"ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
                       f"{tokens / seconds / 1000:.1f}k tokens/s", flush=True)
-                since, epoch_tokens, count, tokens = time.perf_counter(), epoch_tokens + tokens, 0, 0
+                run.tokens, run.seconds = run.tokens + tokens, run.seconds + seconds
+                since, count, tokens = time.perf_counter(), 0, 0
             if args.checkpoint_interval and (batch + 1) % args.checkpoint_interval == 0 and batch + 1 < batches:
                 write_checkpoint(args, corpus, model, replace(run, batch=batch + 1, hidden=hidden), device, ps_device)
         epoch_seconds = time.perf_counter() - epoch_start
-        run.tokens, run.seconds = run.tokens + epoch_tokens, run.seconds + epoch_seconds
         valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
         print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
               f"{epoch_seconds:.1f} s/epoch", flush=True)
         if valid_loss < run.best_valid:
             run.best_valid, run.best_state = valid_loss, gathered(model, cpu_state_dict)
             if args.save:
-                save_model(args, corpus, run.best_state, valid_loss)
+                save(args.save, "--save", args, corpus, model=run.best_state, valid_loss=valid_loss)
         else:
             run.lr /= 4
         run.epoch, run.batch, run.hidden = run.epoch + 1, 0, None
@@ -386,25 +366,22 @@ def run_worker(info, args, corpus, saved):
     # the same time: each may use every core of the machine while the other waits.
     torch.set_num_threads(common.usable_cpus())
     common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
-    ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     if args.cuda and args.check_gradients:
         common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
+    # The ps takes GPU 0 of its machine; the trainer takes the second GPU of a machine it shares with the ps, if
+    # there is one. Tensors sent to the ps land on its GPU and the replies come back, by the map, not .to() calls.
+    device = common.pick_device(args.cuda, common.local_gpu_index(info.local_rank))
+    ps_device, devices = (torch.device("cuda", 0), [device]) if args.cuda else (torch.device("cpu"), None)
     if info.rank == 0:
-        common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=[ps_device] if args.cuda else None)
+        common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=devices)
     else:
-        device, device_maps = torch.device("cpu"), None
-        if args.cuda:
-            # On one machine with 2 GPUs the trainer takes the second; tensors sent to the ps land on its GPU and
-            # the replies come back to the trainer's, by the map instead of .to() calls in the model.
-            device = torch.device("cuda", info.local_rank % common.cuda_device_count())
-            torch.cuda.set_device(device)
-            device_maps = {PS_NAME: {device: ps_device}}
-        common.init_rpc(info, TRAINER_NAME, args.rpc_timeout, device_maps=device_maps,
-                        devices=[device] if args.cuda else None)
+        common.init_rpc(info, TRAINER_NAME, args.rpc_timeout, devices=devices,
+                        device_maps={PS_NAME: {device: ps_device}} if args.cuda else None)
         try:
             run_trainer(args, corpus, device, ps_device, saved)
-        except common.RunFailed:  # a full disk, said in one line: end the ps in order, so that it adds nothing
-            shut_down_in_order()
+        except common.RunFailed:  # a full disk, said in one line: shut down in order, so that the ps adds nothing
+            with contextlib.suppress(RuntimeError, OSError):  # nor can the rendezvous store be written
+                rpc.shutdown()
             raise
     rpc.shutdown()  # the ps waits here, answering RPCs, until the trainer is done too
 
@@ -425,43 +402,35 @@ def main(argv=None):
 # ---------------------------------------------------------------------------------------------------------
 
 class Corpus:
-    """Token ids of train/valid/test, one vocabulary over all three (as word_language_model does). Built in the
-    launching process, before any worker starts, so that a bad file is a one-line error."""
+    """Token ids of train/valid/test (each line's words, then <eos>), one vocabulary over all three, as
+    word_language_model's Corpus. Read in the launching process, before any worker starts: a bad file is one line."""
 
     def __init__(self, folder):
-        self.words, self.index = [], {}
-        self.train, self.valid, self.test = (self.tokenize(Path(folder) / name)
-                                             for name in ("train.txt", "valid.txt", "test.txt"))
-
-    def tokenize(self, path):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
-            raise common.UsageError(f"cannot read {path} ({reason}); pass a --data-dir with UTF-8 text files") from None
-        check(text.split(), f"{path} holds no words; pass a --data-dir with train/valid/test.txt text")
-        ids = []
-        for line in text.splitlines():
-            for word in line.split() + ["<eos>"]:
-                if word not in self.index:
-                    self.index[word] = len(self.words)
-                    self.words.append(word)
-                ids.append(self.index[word])
-        return torch.tensor(ids, dtype=torch.long)
+        index = {}  # word -> id, in order of first appearance
+        for split in ("train", "valid", "test"):
+            path = Path(folder) / f"{split}.txt"
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                reason = getattr(error, "strerror", None) or "not UTF-8 text"
+                raise common.UsageError(f"cannot read {path} ({reason}); pass a --data-dir with UTF-8 text") from None
+            check(text.split(), f"{path} holds no words; pass a --data-dir with train/valid/test.txt text")
+            words = [word for line in text.splitlines() for word in line.split() + ["<eos>"]]
+            setattr(self, split, torch.tensor([index.setdefault(word, len(index)) for word in words]))
+        self.words = list(index)
 
 
 def check_corpus(args, corpus, saved):
     """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
     have been written for this text."""
-    for name, batch_size, flag in (("train", args.batch_size, "--batch-size"),
-                                   ("valid", args.eval_batch_size, "--eval-batch-size"),
-                                   ("test", args.eval_batch_size, "--eval-batch-size")):
-        tokens = getattr(corpus, name).numel()
-        check(tokens // batch_size >= 2, f"{name}.txt has {tokens} tokens, too few for {flag} {batch_size}; pass "
-                                         f"a smaller {flag} or more text")
-    if saved:
-        check(saved["vocab"] == corpus.words, f"--resume {checkpoint_path(args)}: written for another text (its "
-                                              f"vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
+    for split in ("train", "valid", "test"):
+        size, flag = (args.batch_size, "--batch-size") if split == "train" else (args.eval_batch_size,
+                                                                                  "--eval-batch-size")
+        tokens = getattr(corpus, split).numel()
+        check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {flag} {size}; pass a smaller "
+                                   f"{flag} or more text")
+    check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
+          f"(its vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
 
 
 def batchify(data, batch_size, device):
@@ -477,7 +446,7 @@ def get_batch(source, i, bptt):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: clipping on the global norm over both processes, and the pieces where they live
+# Beyond the tutorial: the pieces where they live, and clipping on the global norm over both processes
 # ---------------------------------------------------------------------------------------------------------
 
 def pieces(model):
@@ -486,8 +455,21 @@ def pieces(model):
 
 
 def run_on(piece, function, *args):
-    """function(piece, *args), run where the piece lives: by RPC for an RRef, here for a module."""
-    return function(piece, *args) if isinstance(piece, nn.Module) else _remote_method(function, piece, *args)
+    """function(piece, *args), run where the piece lives (by RPC for an RRef), its device settled before and after:
+    it may read what another call wrote (gradients, weights) or write what it does not return."""
+    return _settled(piece, function, *args) if isinstance(piece, nn.Module) else _remote_method(_settled, piece,
+                                                                                                 function, *args)
+
+
+def _settled(module, function, *args):
+    settle(module)
+    result = function(module, *args)
+    settle(module)
+    return None if result is module else result  # nn.Module.train returns the module: RPC would send it whole
+
+
+def on_pieces(model, function, *args):
+    return {name: run_on(piece, function, *args) for name, piece in pieces(model).items()}
 
 
 def clip_grad_norm(model, context_id, max_norm):
@@ -495,28 +477,43 @@ def clip_grad_norm(model, context_id, max_norm):
     the bit: each piece's owner returns the norm of each of its gradients; the trainer takes the norm of these norms
     in the parameters' order (get_total_norm, as clip_grad_norm_ does); each owner scales its gradients in place by
     torch's clip_grads_with_norm_. Returns the norm before clipping."""
-    norms = [norm for piece in pieces(model).values() for norm in run_on(piece, grad_norms, context_id)]
-    total_norm = nn.utils.get_total_norm(norms)
-    for piece in pieces(model).values():
-        run_on(piece, clip_grads, context_id, max_norm, total_norm)
+    total_norm = nn.utils.get_total_norm([norm for norms in on_pieces(model, grad_norms, context_id).values()
+                                          for norm in norms])
+    on_pieces(model, clip_grads, context_id, max_norm, total_norm)
     return total_norm.item()
 
 
 def grad_norms(module, context_id):
-    """Where module lives: the norm of each of its gradients in the context, on the CPU."""
+    """The norm of each of the module's gradients in the context, on the CPU."""
     grads = dist_autograd.get_gradients(context_id)
-    settle(module)  # backward wrote them
     return [torch.linalg.vector_norm(grads[param]).cpu() for param in module.parameters()]
 
 
 def clip_grads(module, context_id, max_norm, total_norm):
-    """Where module lives: scale its gradients in the context. get_gradients hands out the context's own tensors,
-    the ones DistributedOptimizer.step reads, so scaling them in place is what makes the clipping reach the step."""
+    """Scale the module's gradients in the context in place. get_gradients hands out the context's own tensors, the
+    ones DistributedOptimizer.step reads: scaling them is what makes the clipping reach the step."""
     grads = dist_autograd.get_gradients(context_id)
     for param in module.parameters():
         param.grad = grads[param]
     nn.utils.clip_grads_with_norm_(module.parameters(), max_norm, total_norm)
-    settle(module)
+
+
+def cpu_state_dict(module):
+    """Copies of a module's weights on the CPU (a kept best state must not follow the live weights)."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
+
+
+def gathered(model, function, *args):
+    """function(piece, *args) -> {name: tensor}, run where each piece lives, merged under LocalRNNModel's names."""
+    return {f"{piece}.{name}": tensor for piece, tensors in on_pieces(model, function, *args).items()
+            for name, tensor in tensors.items()}
+
+
+def load_gathered(model, state):
+    """Load weights under LocalRNNModel's names into the pieces, where each lives."""
+    for piece, module in pieces(model).items():
+        run_on(module, nn.Module.load_state_dict, {name.split(".", 1)[1]: tensor for name, tensor in state.items()
+                                                   if name.split(".", 1)[0] == piece})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -542,35 +539,10 @@ class LocalRNNModel(nn.Module):
         return self.decoder.loss(output, targets), hidden
 
 
-def cpu_state_dict(module):
-    """Copies of a module's weights on the CPU (a kept best state must not follow the live weights)."""
-    settle(module)  # the last step wrote them
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
-
-
 def context_grads(module, context_id):
-    """The gradients of a module's parameters in one distributed autograd context, on the CPU."""
+    """The module's gradients in one distributed autograd context, on the CPU."""
     grads = dist_autograd.get_gradients(context_id)
-    settle(module)
     return {name: grads[param].cpu() for name, param in module.named_parameters()}
-
-
-def load_weights(module, state):
-    module.load_state_dict(state)
-    settle(module)
-
-
-def gathered(model, function, *args):
-    """function(piece, *args) -> {name: tensor}, run where each piece lives, merged under LocalRNNModel's names."""
-    return {f"{piece}.{name}": tensor for piece, module in pieces(model).items()
-            for name, tensor in run_on(module, function, *args).items()}
-
-
-def load_gathered(model, state):
-    """Load weights under LocalRNNModel's names into the pieces, where each lives."""
-    for piece, module in pieces(model).items():
-        run_on(module, load_weights, {name.split(".", 1)[1]: tensor for name, tensor in state.items()
-                                      if name.split(".", 1)[0] == piece})
 
 
 def check_gradients(args, corpus, model, device):
@@ -581,10 +553,10 @@ def check_gradients(args, corpus, model, device):
     opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=args.lr)
     train_data = batchify(corpus.train, args.batch_size, "cpu")
     hidden, local_hidden = init_hidden(model.rnn, args.batch_size, device), init_hidden(local.rnn, args.batch_size)
-    worst, norms = dict.fromkeys(("loss_diff", "max_grad_diff", "max_param_diff"), 0.0), []
+    worst, norms = [0.0, 0.0, 0.0], []  # the largest differences of loss, gradients and weights
     for batch in range(min(args.max_batches or 2, math.ceil((train_data.size(0) - 1) / args.bptt))):
         input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
-        with dist_autograd.context() as context_id:  # train_step, the gradients gathered before the step
+        with dist_autograd.context() as context_id:  # as run_trainer, the gradients gathered before the step
             loss, hidden = model.loss(input.to(device), targets.to(device), detach_hidden(hidden))
             dist_autograd.backward(context_id, [loss])
             norms.append(clip_grad_norm(model, context_id, args.clip))
@@ -595,17 +567,14 @@ def check_gradients(args, corpus, model, device):
         local_loss.backward()
         local_norm = nn.utils.clip_grad_norm_(local.parameters(), args.clip).item()
         local_opt.step()
-        weights = gathered(model, cpu_state_dict)
-        worst["loss_diff"] = max(worst["loss_diff"], abs(loss.item() - local_loss.item()))
-        worst["max_grad_diff"] = max([worst["max_grad_diff"]] + [(grads[name] - param.grad).abs().max().item()
-                                                                for name, param in local.named_parameters()])
-        worst["max_param_diff"] = max([worst["max_param_diff"]] + [(weights[name] - param).abs().max().item()
-                                                                  for name, param in local.state_dict().items()])
+        weights = gathered(model, cpu_state_dict)  # which settles the step's writes too
+        worst = [max(worst[0], abs(loss.item() - local_loss.item())),
+                 max([worst[1]] + [(grads[name] - p.grad).abs().max().item() for name, p in local.named_parameters()]),
+                 max([worst[2]] + [(weights[name] - p).abs().max().item() for name, p in local.state_dict().items()])]
         print(f"batch {batch + 1} | loss {loss.item():.6f} vs {local_loss.item():.6f} | grad norm {norms[-1]:.5f} "
-              f"vs {local_norm:.5f} | max grad diff {worst['max_grad_diff']:.2e} | "
-              f"max weight diff {worst['max_param_diff']:.2e}", flush=True)
+              f"vs {local_norm:.5f} | max grad diff {worst[1]:.2e} | max weight diff {worst[2]:.2e}", flush=True)
     common.emit_result(SCRIPT, mode="check-gradients", batches=len(norms), grad_norms=norms, clip=args.clip,
-                       compared=len(grads), **worst)
+                       compared=len(grads), **dict(zip(("loss_diff", "max_grad_diff", "max_param_diff"), worst)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -643,14 +612,14 @@ def model_config(args, ntoken):
     return {"ntoken": ntoken, "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers, "dropout": args.dropout}
 
 
-def save_model(args, corpus, state, valid_loss):
-    """--save: the best weights so far, for LocalRNNModel: `LocalRNNModel(**ckpt["config"]).load_state_dict(
-    ckpt["model"])`, with ckpt = torch.load(path). A failed write keeps the previous file (common.save_checkpoint)."""
-    common.save_checkpoint(args.save, SCRIPT, {"model": state, "vocab": corpus.words, "valid_loss": valid_loss,
-                                               "config": model_config(args, len(corpus.words))}, "--save")
+def save(path, flag, args, corpus, **state):
+    """A file that `LocalRNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])` loads, with ckpt =
+    torch.load(path), written atomically by common.save_checkpoint: a failed write keeps the previous file."""
+    common.save_checkpoint(path, SCRIPT, {"vocab": corpus.words, "config": model_config(args, len(corpus.words)),
+                                          **state}, flag)
 
 
-CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "progress", "rng")
+CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "run", "rng")
 
 
 def checkpoint_path(args):
@@ -665,36 +634,30 @@ def recipe(args):
 
 
 def write_checkpoint(args, corpus, model, run, device, ps_device):
-    """The whole run, from both processes, in one file in --checkpoint-dir, written by the trainer through
-    common.save_checkpoint (atomic): the weights (also loadable by --generate), the progress, and the RNG states of
-    both processes, which draw the dropout masks."""
+    """The whole run, from both processes, in one file in --checkpoint-dir, written by the trainer: the weights
+    (also loadable by --generate), the progress, and the RNG states of both processes, which draw the dropout masks."""
     if args.checkpoint_dir:
-        progress = {**vars(run), "hidden": run.hidden and tuple(h.detach().cpu() for h in run.hidden)}
         rng = {TRAINER_NAME: rng_state(device), PS_NAME: rpc.rpc_sync(PS_NAME, rng_state, args=(ps_device,))}
-        common.save_checkpoint(checkpoint_path(args), SCRIPT, {
-            "model": gathered(model, cpu_state_dict), "vocab": corpus.words, "recipe": recipe(args),
-            "config": model_config(args, len(corpus.words)), "progress": progress, "rng": rng}, "--checkpoint-dir")
+        save(checkpoint_path(args), "--checkpoint-dir", args, corpus, model=gathered(model, cpu_state_dict), rng=rng,
+             recipe=recipe(args), run={**vars(run), "hidden": run.hidden and tuple(h.cpu() for h in run.hidden)})
 
 
 def read_checkpoint(args):
     """The checkpoint that --resume continues, or None when there is none yet (the run starts from the beginning).
-    Read once, before the data and before any process starts; verified (common.load_checkpoint) and checked against
-    these flags and the model they build (its vocabulary is checked against the text once that is read)."""
-    path = checkpoint_path(args) if args.resume else None
-    if path is None or not path.exists():
+    Read once, before the data and any process: verified (common.load_checkpoint; a checkpoint of another version
+    lacks a key), and checked against these flags and the model they build (its vocabulary, once the text is read)."""
+    if not (args.resume and checkpoint_path(args).exists()):
         return None
+    path = checkpoint_path(args)
     saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=CHECKPOINT_KEYS)
     differ = [f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
               if recipe(args).get(name) != value]
     check(not differ, f"--resume {path}: written with {', '.join(differ)}; pass the same flags or another "
                       f"--checkpoint-dir")
-    check(set(saved["progress"]) == {item.name for item in fields(Progress)},
-          f"--resume {path}: written by another version of rpc_rnn.py; pass another --checkpoint-dir")
-    done = saved["progress"]["epoch"] - 1
-    check(done <= args.epochs, f"--resume {path}: holds {done} finished epochs, more than --epochs {args.epochs}; "
-                               f"pass a larger --epochs or another --checkpoint-dir")
+    check(saved["run"]["epoch"] - 1 <= args.epochs, f"--resume {path}: holds {saved['run']['epoch'] - 1} finished "
+                                                    f"epochs, more than --epochs {args.epochs}; pass a larger --epochs")
     model = LocalRNNModel(**model_config(args, len(saved["vocab"])))
-    for weights in filter(None, (saved["model"], saved["progress"]["best_state"])):
+    for weights in filter(None, (saved["model"], saved["run"]["best_state"])):
         common.check_fits(model, weights, "--resume", path)
     return saved
 
@@ -704,7 +667,7 @@ def resume(args, model, saved, device, ps_device):
     load_gathered(model, saved["model"])
     set_rng_state(saved["rng"][TRAINER_NAME], device)
     rpc.rpc_sync(PS_NAME, set_rng_state, args=(saved["rng"][PS_NAME], ps_device))
-    run = Progress(**saved["progress"])
+    run = Progress(**saved["run"])
     run.hidden = run.hidden and tuple(h.to(device) for h in run.hidden)
     print(f"resuming at epoch {run.epoch} batch {run.batch} from {checkpoint_path(args)}", flush=True)
     return run
@@ -712,10 +675,7 @@ def resume(args, model, saved, device, ps_device):
 
 def rng_state(device):
     """The states of this process's generators that draw dropout masks on `device`."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
 def set_rng_state(state, device):
@@ -723,30 +683,19 @@ def set_rng_state(state, device):
     expose and re-seeds from the CUDA generator once that is set: a resumed --cuda run with LSTM dropout draws
     other masks between the LSTM's layers than an uninterrupted run would."""
     torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
+    if state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def shut_down_in_order():
-    """The graceful rpc.shutdown() that ends a run, for a trainer that is about to fail: the ps, waiting in its own
-    shutdown, then ends cleanly instead of logging TensorPipe's warning about a pipe its peer closed. If the
-    rendezvous store cannot be written either (a file store on a full disk), that warning may follow the line."""
-    try:
-        rpc.shutdown()
-    except (RuntimeError, OSError):  # torch's store errors (DistStoreError) are RuntimeErrors
-        pass
 
 
 def generate(args):
     """Load a saved model into LocalRNNModel, checked to fit, and sample words from it one at a time."""
     saved = common.load_checkpoint(args.load, SCRIPT, "--load", keys=("model", "vocab", "config"))
-    words = saved["vocab"]
-    check(len(words) == saved["config"].get("ntoken"), f"--load {args.load}: its vocabulary does not fit its "
-                                                       f"model; pass a file written by rpc_rnn.py")
-    model = common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--load", args.load).eval()
+    words, config = saved["vocab"], saved["config"]
+    check(len(words) == config["ntoken"], f"--load {args.load}: its vocabulary does not fit its model; pass a file "
+                                          f"written by rpc_rnn.py")
+    model = common.check_fits(LocalRNNModel(**config), saved["model"], "--load", args.load).eval()
     common.seed_everything(args.seed)
-    input, hidden = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1)
-    sampled = []
+    input, hidden, sampled = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1), []
     with torch.no_grad():
         for _ in range(args.generate):
             logits, hidden = model(input, hidden)
