@@ -34,8 +34,9 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -125,15 +126,12 @@ def validate(args):
     type in Args), checked before any data is read: each broken rule is one line and exit status 2."""
     check(0 <= args.dropout < 1, f"--dropout {args.dropout}: not from 0 up to, not including, 1")
     check(not args.cuda or common.cuda_device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
-    writes = args.save or args.checkpoint_dir or args.resume
-    if args.generate:
-        check(args.load and not (writes or args.check_gradients), "--generate N samples from a saved model only: "
-              "pass --load FILE, and no --save, --checkpoint-dir, --resume or --check-gradients")
-        return
-    check(args.load is None, "--load is read by --generate only: pass --generate N to sample from it, or "
-                             "--checkpoint-dir DIR --resume to continue an interrupted run")
-    check(not args.check_gradients or (args.dropout == 0 and not writes), "--check-gradients needs --dropout 0 "
-          "(the two sides draw other dropout masks) and writes nothing: drop --save, --checkpoint-dir and --resume")
+    check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
+          "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")
+    check(not (args.generate or args.check_gradients) or not (args.save or args.checkpoint_dir or args.resume),
+          "--generate and --check-gradients write and resume nothing: drop --save, --checkpoint-dir and --resume")
+    check(not args.check_gradients or (args.dropout == 0 and not args.generate), "--check-gradients needs "
+          "--dropout 0 (the two sides draw other dropout masks), and no --generate")
     check(args.checkpoint_dir or not (args.resume or args.checkpoint_interval),
           "--resume and --checkpoint-interval need --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
@@ -296,7 +294,7 @@ def run_trainer(args, corpus, device, ps_device, saved):
     train_data = batchify(corpus.train, args.batch_size, device)
     valid_data, test_data = (batchify(data, args.eval_batch_size, device) for data in (corpus.valid, corpus.test))
     batches = min(math.ceil((train_data.size(0) - 1) / args.bptt), args.max_batches or math.inf)
-    run = resume(args, model, saved, device, ps_device) if saved else Progress(lr=args.lr)
+    run = resume(args, model, saved, device, ps_device) if saved else start(args)
     while run.epoch <= args.epochs:
         # SGD keeps no state but lr: a new optimizer with this epoch's lr continues exactly where the last one was
         opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=run.lr)
@@ -321,13 +319,13 @@ def run_trainer(args, corpus, device, ps_device, saved):
             if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
                 interval, seconds = batch % args.log_interval + 1, time.perf_counter() - since  # a resume included
                 mean = sum(run.losses[-interval:]) / interval
-                print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | {1000 * seconds / count:.1f} "
-                      f"ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
+                print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | "
+                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
                       f"{tokens / seconds / 1000:.1f}k tokens/s", flush=True)
                 run.tokens, run.seconds = run.tokens + tokens, run.seconds + seconds
                 since, count, tokens = time.perf_counter(), 0, 0
             if args.checkpoint_interval and (batch + 1) % args.checkpoint_interval == 0 and batch + 1 < batches:
-                write_checkpoint(args, corpus, model, replace(run, batch=batch + 1, hidden=hidden), device, ps_device)
+                write_checkpoint(args, corpus, model, run, device, ps_device, batch=batch + 1, hidden=hidden)
         epoch_seconds = time.perf_counter() - epoch_start
         valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
         print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
@@ -414,7 +412,6 @@ class Corpus:
             except (OSError, UnicodeDecodeError) as error:
                 reason = getattr(error, "strerror", None) or "not UTF-8 text"
                 raise common.UsageError(f"cannot read {path} ({reason}); pass a --data-dir with UTF-8 text") from None
-            check(text.split(), f"{path} holds no words; pass a --data-dir with train/valid/test.txt text")
             words = [word for line in text.splitlines() for word in line.split() + ["<eos>"]]
             setattr(self, split, torch.tensor([index.setdefault(word, len(index)) for word in words]))
         self.words = list(index)
@@ -424,9 +421,8 @@ def check_corpus(args, corpus, saved):
     """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
     have been written for this text."""
     for split in ("train", "valid", "test"):
-        size, flag = (args.batch_size, "--batch-size") if split == "train" else (args.eval_batch_size,
-                                                                                  "--eval-batch-size")
-        tokens = getattr(corpus, split).numel()
+        tokens, flag = getattr(corpus, split).numel(), "--batch-size" if split == "train" else "--eval-batch-size"
+        size = getattr(args, flag[2:].replace("-", "_"))
         check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {flag} {size}; pass a smaller "
                                    f"{flag} or more text")
     check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
@@ -581,19 +577,14 @@ def check_gradients(args, corpus, model, device):
 # Beyond the tutorial: reporting, checkpoints and exact resume, sampling
 # ---------------------------------------------------------------------------------------------------------
 
-@dataclass
-class Progress:
-    """Lives on the trainer: where the run stands. With the weights of both processes and the RNG states that draw
-    their dropout masks, it is all a checkpoint needs to continue exactly (SGD keeps no state but lr)."""
-    lr: float
-    epoch: int = 1
-    batch: int = 0  # the next training batch of `epoch`
-    hidden: Optional[tuple] = None  # the LSTM state before `batch`, when a checkpoint cut an epoch (None: zeros)
-    best_valid: float = math.inf
-    best_state: Optional[dict] = None  # the weights with the best valid loss, under LocalRNNModel's names
-    losses: list = field(default_factory=list)  # of every training batch
-    tokens: int = 0  # trained on in `seconds` of training, over the whole run
-    seconds: float = 0.0
+def start(args):
+    """Where a run stands, on the trainer. With the weights and the RNG states of both processes (which draw the
+    dropout masks), it is all a checkpoint needs to continue exactly: SGD keeps no state but lr. `batch` is the next
+    training batch of `epoch`, `hidden` the LSTM state before it when a checkpoint cut an epoch (None: zeros),
+    `best_state` the weights of the best valid loss, under LocalRNNModel's names; `losses` has every batch's, and
+    `tokens` were trained on in `seconds` of training."""
+    return SimpleNamespace(lr=args.lr, epoch=1, batch=0, hidden=None, best_valid=math.inf, best_state=None, losses=[],
+                           tokens=0, seconds=0.0)
 
 
 def report(args, run, ntoken, test_loss, device, ps_device):
@@ -628,18 +619,20 @@ def checkpoint_path(args):
 
 def recipe(args):
     """The flags that a resumed run must share with the run that wrote the checkpoint: they change the math."""
-    names = ("emsize", "nhid", "nlayers", "dropout", "batch_size", "eval_batch_size", "bptt", "lr", "clip", "seed",
-             "max_batches")
-    return {name: getattr(args, name) for name in names}
+    return {name: getattr(args, name) for name in ("emsize", "nhid", "nlayers", "dropout", "batch_size",
+                                                   "eval_batch_size", "bptt", "lr", "clip", "seed", "max_batches")}
 
 
-def write_checkpoint(args, corpus, model, run, device, ps_device):
+def write_checkpoint(args, corpus, model, run, device, ps_device, **at):
     """The whole run, from both processes, in one file in --checkpoint-dir, written by the trainer: the weights
-    (also loadable by --generate), the progress, and the RNG states of both processes, which draw the dropout masks."""
+    (also loadable by --generate), where the run stands (`at` a batch within an epoch, with the LSTM state there),
+    and the RNG states of both processes, which draw the dropout masks."""
     if args.checkpoint_dir:
+        state = {**vars(run), **at}
+        state["hidden"] = state["hidden"] and tuple(h.cpu() for h in state["hidden"])
         rng = {TRAINER_NAME: rng_state(device), PS_NAME: rpc.rpc_sync(PS_NAME, rng_state, args=(ps_device,))}
         save(checkpoint_path(args), "--checkpoint-dir", args, corpus, model=gathered(model, cpu_state_dict), rng=rng,
-             recipe=recipe(args), run={**vars(run), "hidden": run.hidden and tuple(h.cpu() for h in run.hidden)})
+             recipe=recipe(args), run=state)
 
 
 def read_checkpoint(args):
@@ -667,7 +660,7 @@ def resume(args, model, saved, device, ps_device):
     load_gathered(model, saved["model"])
     set_rng_state(saved["rng"][TRAINER_NAME], device)
     rpc.rpc_sync(PS_NAME, set_rng_state, args=(saved["rng"][PS_NAME], ps_device))
-    run = Progress(**saved["run"])
+    run = SimpleNamespace(**saved["run"])
     run.hidden = run.hidden and tuple(h.to(device) for h in run.hidden)
     print(f"resuming at epoch {run.epoch} batch {run.batch} from {checkpoint_path(args)}", flush=True)
     return run
@@ -690,10 +683,8 @@ def set_rng_state(state, device):
 def generate(args):
     """Load a saved model into LocalRNNModel, checked to fit, and sample words from it one at a time."""
     saved = common.load_checkpoint(args.load, SCRIPT, "--load", keys=("model", "vocab", "config"))
-    words, config = saved["vocab"], saved["config"]
-    check(len(words) == config["ntoken"], f"--load {args.load}: its vocabulary does not fit its model; pass a file "
-                                          f"written by rpc_rnn.py")
-    model = common.check_fits(LocalRNNModel(**config), saved["model"], "--load", args.load).eval()
+    words = saved["vocab"]
+    model = common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--load", args.load).eval()
     common.seed_everything(args.seed)
     input, hidden, sampled = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1), []
     with torch.no_grad():
