@@ -79,7 +79,7 @@ class Args:
     eval_batch_size: Positive = 10
     """batch size for the valid and test sets"""
     max_batches: Optional[Positive] = None
-    """train only the first N batches of each epoch (tiny runs); not given: every batch (--check-gradients: 2)"""
+    """train only the first N batches of each epoch; not given: all (2 under --check-gradients)"""
     seed: Seed = 1111
     """random seed: the same seed gives the same weights in the distributed and the one-process model"""
     log_interval: Positive = 200
@@ -117,8 +117,8 @@ class Args:
     """the tutorial's path: the ps sends the decoder's logits back and the trainer computes the loss (otherwise the
     loss is computed on the ps)"""
     check_gradients: bool = False
-    """run the first --max-batches batches both distributed and in one process, report the largest differences of
-    loss, clipped gradients and updated weights, then exit; needs --dropout 0"""
+    """run the first --max-batches batches (2 if not given) both distributed and in one process, report the largest
+    differences of loss, clipped gradients and updated weights, then exit; needs --dropout 0"""
 
 
 def validate(args):
