@@ -20,6 +20,7 @@ import zipfile
 import psutil
 import pytest
 import torch
+from torch import nn
 
 import common
 import rpc_rnn
@@ -114,6 +115,36 @@ def test_ship_logits_gives_the_same_losses(trained, text_dir):
     assert len(shipped["losses"]) == len(result["losses"]) == 40
     assert max(abs(a - b) for a, b in zip(shipped["losses"], result["losses"])) < 1e-4
     assert math.isclose(shipped["test_loss"], result["test_loss"], abs_tol=1e-4)
+
+
+def test_the_learning_rate_falls_by_4_after_an_epoch_that_did_not_improve_and_the_next_step_uses_it(text_dir,
+                                                                                                    tmp_path):
+    """One window per epoch, dropout 0, lr 20: the valid loss soon stops improving. Each epoch steps with a new
+    DistributedOptimizer at the epoch's lr (SGD keeps no state): the weights after epoch 4 are those after epoch 3
+    moved by the window's clipped gradient times epoch 4's lr, as one process computes it here."""
+    flags = ["--data-dir", text_dir, "--max-batches", 1, "--dropout", 0, "--lr", 20, *SMALL]
+    saved = {}
+    for epochs in (3, 4):
+        proc = run_script("rpc_rnn.py", *flags, "--epochs", epochs, "--checkpoint-dir", tmp_path / str(epochs),
+                          timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        saved[epochs] = torch.load(tmp_path / str(epochs) / "rpc_rnn.pt", weights_only=True)
+    valid = [float(loss) for loss in re.findall(r"valid loss (\S+)", proc.stdout)]
+    expected, best = [20.0], math.inf  # the lr of each epoch, then the last one
+    for loss in valid:
+        expected.append(expected[-1] if loss < best else expected[-1] / 4)
+        best = min(best, loss)
+    assert expected[3] < 20, valid  # a decay before epoch 4: the case this test is about
+    assert re.findall(r"\| lr (\S+) \|", proc.stdout) == [f"{lr:.2f}" for lr in expected[:4]], proc.stdout
+    assert last_json(proc.stdout)["lr"] == saved[4]["run"]["lr"] == expected[4]
+    model = rpc_rnn.LocalRNNModel(**saved[3]["config"])
+    model.load_state_dict(saved[3]["model"])
+    input, targets = rpc_rnn.get_batch(rpc_rnn.batchify(rpc_rnn.Corpus(text_dir).train, 10, "cpu"), 0, 20)
+    model.loss(input, targets, rpc_rnn.init_hidden(model.rnn, 10))[0].backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+    torch.optim.SGD(model.parameters(), lr=expected[3]).step()
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(weight, saved[4]["model"][name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_copied_alone_the_distributed_gradients_are_the_one_process_gradients(text_dir, tmp_path):
