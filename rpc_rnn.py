@@ -420,9 +420,10 @@ class Corpus:
 def check_corpus(args, corpus, saved):
     """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
     have been written for this text."""
-    for split in ("train", "valid", "test"):
-        tokens, flag = getattr(corpus, split).numel(), "--batch-size" if split == "train" else "--eval-batch-size"
-        size = getattr(args, flag[2:].replace("-", "_"))
+    for split, size, flag in (("train", args.batch_size, "--batch-size"),
+                              ("valid", args.eval_batch_size, "--eval-batch-size"),
+                              ("test", args.eval_batch_size, "--eval-batch-size")):
+        tokens = getattr(corpus, split).numel()
         check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {flag} {size}; pass a smaller "
                                    f"{flag} or more text")
     check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
@@ -453,8 +454,9 @@ def pieces(model):
 def run_on(piece, function, *args):
     """function(piece, *args), run where the piece lives (by RPC for an RRef), its device settled before and after:
     it may read what another call wrote (gradients, weights) or write what it does not return."""
-    return _settled(piece, function, *args) if isinstance(piece, nn.Module) else _remote_method(_settled, piece,
-                                                                                                 function, *args)
+    if isinstance(piece, nn.Module):
+        return _settled(piece, function, *args)
+    return _remote_method(_settled, piece, function, *args)
 
 
 def _settled(module, function, *args):
