@@ -24,10 +24,10 @@ Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/vali
         rpc_rnn.py
 
 The trainer prints (the ps says nothing unless it fails); the last lines of a run have this shape:
-    epoch 1 | batch 200/200 | lr 20.00 | <t> ms/batch | loss 7.66 | ppl 2123.8 | <n>k tokens/s
-    epoch 1 | valid loss 7.27 | valid ppl 1439.7 | <t> s/epoch
-    test loss 7.20 | test ppl 1339.1
-    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": 9.83, ...}
+    epoch 1 | batch 200/200 | lr 20.00 | <t> ms/batch | loss <loss> | ppl <perplexity> | <n>k tokens/s
+    epoch 1 | valid loss <loss> | valid ppl <perplexity> | <t> s/epoch
+    test loss <loss> | test ppl <perplexity>
+    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": <loss>, ...}
 """
 
 import contextlib
