@@ -1,18 +1,18 @@
-"""Model-parallel LSTM word language model over RPC: a parameter server and a trainer, trained on WikiText-2.
+"""Model-parallel LSTM language model over RPC: a parameter server and a trainer, trained on WikiText-2.
 
-Part 2 of PyTorch's "Getting started with the distributed RPC framework", on real data. The model of
-pytorch/examples' word_language_model (embedding -> 2-layer LSTM -> linear decoder) is cut in two processes.
-Rank 0, the parameter server "ps", owns the embedding table and the decoder; rank 1, the "trainer", owns the LSTM
-and drives training. The trainer creates the ps's modules with `rpc.remote` and calls them through their RRefs
-(`rref.rpc_sync().forward(x)`) where a one-machine model-parallel version would call `.to(device)`. Backward
-runs across both processes with `dist_autograd.backward` inside a `dist_autograd.context()`, and a distributed
-optimizer applies SGD on each owner of parameters. Beyond the tutorial: the loss is computed on the ps (one number
-comes back instead of the logits), gradients are clipped on their global norm over both processes,
---check-gradients compares everything with the same model in one process, and runs checkpoint and resume.
+Part 2 of PyTorch's "Getting started with the distributed RPC framework" (a distributed RNN with distributed
+autograd and the distributed optimizer), on real data. The model of pytorch/examples' word_language_model (embedding
+-> LSTM -> linear decoder) is cut in two processes: rank 0, the parameter server "ps", owns the embedding table and
+the decoder; rank 1, the "trainer", owns the LSTM, builds the ps's pieces with `rpc.remote`, calls them through their
+RRefs, runs backward across both processes inside a `dist_autograd.context()` and steps torch's
+DistributedOptimizer, which runs SGD on each owner of parameters. The tutorial's code comes first; below the
+`Beyond the tutorial` banners: real data, the loss computed on the ps (one number comes back instead of the logits),
+gradient clipping on the global norm over both processes, --check-gradients (distributed == one process),
+checkpoints with exact resume, and sampling from a saved model.
 
 Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/valid/test.txt from DIR instead):
-    python rpc_rnn.py                                     # CPU, 2 processes, the classic recipe (40 epochs)
-    python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64      # about 2 minutes on 2 cores
+    python rpc_rnn.py                                     # CPU, 2 processes, word_language_model's recipe, 40 epochs
+    python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64                  # a short run
     python rpc_rnn.py --cuda --epochs 6 --save lm.pt      # embedding + decoder on a GPU, LSTM on another (or the same)
     python rpc_rnn.py --generate 100 --load lm.pt         # sample 100 words in this process, no RPC
     python rpc_rnn.py --check-gradients --dropout 0 --clip 0.05 --emsize 32 --nhid 32    # distributed == 1 process
@@ -23,30 +23,31 @@ Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/vali
     torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 1 --master-addr $MASTER_ADDR --master-port 29400 \\
         rpc_rnn.py
 
-Last lines of `python rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64` (1 min 49 s on 2 CPU cores,
-more than half of it evaluating the full valid and test sets with the 33k-word decoder):
-    epoch 1 | batch 200/200 | lr 20.00 | 226.7 ms/batch | loss 7.66 | ppl 2123.8 | 3.1k tokens/s
-    epoch 1 | valid loss 7.27 | valid ppl 1439.7 | 45.4 s/epoch
-    test loss 7.20 | test ppl 1339.1
-    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": 9.83, ...}
+The trainer prints (the ps says nothing unless it fails); the last lines of a run have this shape:
+    epoch 1 | batch 200/200 | lr 20.00 | <t> ms/batch | loss <loss> | ppl <perplexity> | <n>k tokens/s
+    epoch 1 | valid loss <loss> | valid ppl <perplexity> | <t> s/epoch
+    test loss <loss> | test ppl <perplexity>
+    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": <loss>, ...}
 """
 
+import contextlib
+import logging
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 import torch.nn.functional as F
-from torch import optim
 from torch.distributed import rpc
-from torch.nn.utils import skip_init
+from torch.distributed.optim import DistributedOptimizer
 
 import common
-from common import UsageError, check
+from common import DataDir, InFile, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
 
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
@@ -55,149 +56,471 @@ SCRIPT = "rpc_rnn"
 
 @dataclass
 class Args:
-    data_dir: Optional[str] = None
-    """folder with train.txt, valid.txt, test.txt (or a wikitext-2/ subfolder holding them); downloaded when absent"""
-    emsize: int = 200
+    # Model (word_language_model's recipe)
+    emsize: Positive = 200
     """size of the word embeddings"""
-    nhid: int = 200
+    nhid: Positive = 200
     """hidden units per LSTM layer"""
-    nlayers: int = 2
+    nlayers: Positive = 2
     """number of LSTM layers"""
     dropout: float = 0.2
-    """dropout on the embeddings, between LSTM layers and before the decoder"""
-    batch_size: int = 20
-    """training batch size (parallel text streams)"""
-    eval_batch_size: int = 10
-    """batch size for the valid and test sets"""
-    bptt: int = 35
-    """sequence length of one training window (backpropagation through time)"""
-    lr: float = 20.0
-    """initial SGD learning rate; divided by 4 after an epoch whose valid loss did not improve"""
-    clip: float = 0.25
-    """largest global gradient norm over all parameters, on both processes"""
-    epochs: int = 40
+    """dropout on the embeddings, between LSTM layers and before the decoder: from 0 up to, not including, 1"""
+    # Training
+    epochs: Positive = 40
     """number of passes over the training text"""
-    max_batches: Optional[int] = None
-    """stop each epoch after this many training batches (tiny runs)"""
-    log_interval: int = 200
-    """batches between two log lines of the trainer"""
-    seed: int = 1111
+    lr: PositiveFloat = 20.0
+    """initial SGD learning rate; divided by 4 after an epoch whose valid loss did not improve"""
+    clip: PositiveFloat = 0.25
+    """largest global norm of the gradients, over the parameters of both processes"""
+    batch_size: Positive = 20
+    """training batch size (parallel text streams)"""
+    bptt: Positive = 35
+    """sequence length of one training window (backpropagation through time)"""
+    eval_batch_size: Positive = 10
+    """batch size for the valid and test sets"""
+    max_batches: Optional[Positive] = None
+    """train only the first N batches of each epoch; not given: all (2 under --check-gradients)"""
+    seed: Seed = 1111
     """random seed: the same seed gives the same weights in the distributed and the one-process model"""
-    ship_logits: bool = False
-    """tutorial's path: the ps returns the decoded logits and the trainer computes the loss"""
-    save: Optional[str] = None
-    """write the model with the best valid loss here: one file for the plain one-process RNNModel"""
-    load: Optional[str] = None
-    """checkpoint to sample from with --generate (written by --save, or a --checkpoint-dir checkpoint)"""
-    generate: Optional[int] = None
-    """sample this many words from the --load checkpoint in this process, then exit"""
-    temperature: float = 1.0
-    """sampling temperature for --generate (lower: more conservative text)"""
-    check_gradients: bool = False
-    """run --max-batches (default 2) batches both distributed and in one process and report the differences"""
-    checkpoint_dir: Optional[str] = None
-    """write a checkpoint of the whole run (both processes) here after every epoch, atomically"""
-    checkpoint_interval: Optional[int] = None
-    """also write that checkpoint every this many training batches within an epoch"""
+    log_interval: Positive = 200
+    """training batches between two log lines"""
+    # Data
+    data_dir: Optional[DataDir] = None
+    """folder with train.txt, valid.txt and test.txt (or a wikitext-2 folder holding them), any text in that format;
+    not given: WikiText-2, downloaded into the per-user cache on first use"""
+    # Output and checkpoints
+    save: Optional[OutFile] = None
+    """write the model with the best valid loss to this file, for --generate or for one process; not given: not saved"""
+    checkpoint_dir: Optional[OutDir] = None
+    """write a checkpoint of the whole run (both processes) to rpc_rnn.pt in this folder after every epoch;
+    not given: no checkpoints"""
+    checkpoint_interval: Optional[Positive] = None
+    """also write that checkpoint every N training batches within an epoch; not given: after each epoch only"""
     resume: bool = False
     """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning): on a CPU,
     exactly as if the run had never stopped"""
+    # Sampling from a saved model
+    generate: Optional[Positive] = None
+    """sample N words from the --load file in this process, then exit; not given: train"""
+    load: Optional[InFile] = None
+    """the file --generate samples from: written by --save, or a --checkpoint-dir checkpoint"""
+    temperature: PositiveFloat = 1.0
+    """sampling temperature for --generate (lower: more conservative text)"""
+    # Devices and launch
     cuda: bool = False
-    """embedding and decoder on the ps's GPU, LSTM on the trainer's; RPC device maps move the tensors"""
-    rpc_timeout: float = 60.0
-    """seconds before an RPC to a stuck peer fails and ends the run (a dead peer is noticed at once); one decoder
-    call on the full 33k-word vocabulary was seen to take 21 s on a 2-core machine under heavy load"""
+    """embedding and decoder on the ps's GPU, the LSTM on the trainer's; RPC device maps move the tensors"""
+    rpc_timeout: Seconds = 60.0
+    """an RPC to a peer that is stuck fails after this long and ends the run (a dead peer is noticed at once); a
+    spawned process stopped for half of it is named"""
+    # Beyond the tutorial
+    ship_logits: bool = False
+    """the tutorial's path: the ps sends the decoder's logits back and the trainer computes the loss (otherwise the
+    loss is computed on the ps)"""
+    check_gradients: bool = False
+    """run the first --max-batches batches (2 if not given) both distributed and in one process, report the largest
+    differences of loss, clipped gradients and updated weights, then exit; needs --dropout 0"""
 
 
 def validate(args):
-    """The rules of the flags and of the paths they name, checked before any work starts: each broken rule is one
-    line on stderr and exit status 2. The data and a --resume checkpoint are checked once read (check_corpus,
-    read_checkpoint), also before any process starts."""
-    check(args.emsize > 0 and args.nhid > 0 and args.nlayers > 0, "--emsize, --nhid and --nlayers must be > 0")
-    check(0.0 <= args.dropout < 1.0, f"--dropout must be in [0, 1), got {args.dropout}")
-    for flag, value in (("--batch-size", args.batch_size), ("--eval-batch-size", args.eval_batch_size),
-                        ("--bptt", args.bptt), ("--epochs", args.epochs), ("--log-interval", args.log_interval),
-                        ("--max-batches", args.max_batches), ("--checkpoint-interval", args.checkpoint_interval),
-                        ("--lr", args.lr), ("--clip", args.clip), ("--rpc-timeout", args.rpc_timeout)):
-        check(value is None or value > 0, f"{flag} must be > 0, got {value}")
+    """The rules that involve several flags, the machine or the launcher's variables (each flag's own rule is its
+    type in Args), checked before any data is read: each broken rule is one line and exit status 2."""
+    check(0 <= args.dropout < 1, f"--dropout {args.dropout}: not from 0 up to, not including, 1")
     check(not args.cuda or common.cuda_device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
-    if args.generate is not None:
-        check(args.generate > 0, f"--generate must be > 0, got {args.generate}")
-        check(args.temperature > 0, f"--temperature must be > 0, got {args.temperature}")
-        check(args.load is not None, "--generate needs a checkpoint: pass --load PATH (written by --save)")
-        common.check_input_file("--load", args.load)
-        check(not (args.save or args.checkpoint_dir or args.check_gradients),
-              "--generate only samples from --load; drop --save, --checkpoint-dir and --check-gradients")
-        return
-    check(args.load is None, "--load is read by --generate only: pass --generate N to sample from it, or "
-                             "--checkpoint-dir DIR --resume to continue an interrupted run")
-    check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (masks differ)")
-    check(not (args.check_gradients and (args.save or args.checkpoint_dir)),
-          "--check-gradients writes nothing; drop --save and --checkpoint-dir")
-    check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
-    check(not args.checkpoint_interval or args.checkpoint_dir, "--checkpoint-interval needs --checkpoint-dir DIR")
-    check(common.process_count(2) == 2,
-          "rpc_rnn.py runs as exactly 2 processes (ps and trainer); pass --nproc-per-node 2 to torchrun, or run "
-          "it on 2 nodes with --nproc-per-node 1")
-    if args.save:
-        common.check_output_file("--save", args.save)
-    if args.checkpoint_dir:
-        common.check_output_dir("--checkpoint-dir", args.checkpoint_dir)
-        check(not checkpoint_path(args).is_dir(), f"--checkpoint-dir {args.checkpoint_dir}: {checkpoint_path(args)} "
-                                                  f"is a folder; remove it or pass another --checkpoint-dir")
+    check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
+          "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")
+    check(not (args.generate or args.check_gradients) or not (args.save or args.checkpoint_dir or args.resume),
+          "--generate and --check-gradients write and resume nothing: drop --save, --checkpoint-dir and --resume")
+    check(not args.check_gradients or (args.dropout == 0 and not args.generate), "--check-gradients needs "
+          "--dropout 0 (the two sides draw other dropout masks), and no --generate")
+    check(args.checkpoint_dir or not (args.resume or args.checkpoint_interval),
+          "--resume and --checkpoint-interval need --checkpoint-dir DIR (where the checkpoint is)")
+    check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
+                                        "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
+    if args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():
+        common.output_file("--checkpoint-dir", str(checkpoint_path(args)))
+        check(args.save is None or Path(args.save).resolve() != checkpoint_path(args).resolve(),
+              f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The model: three pieces, put together in one process (RNNModel) or over RPC (DistributedRNNModel)
+# The tutorial's model: the embedding table and the decoder live on the ps, the LSTM on the trainer
 # ---------------------------------------------------------------------------------------------------------
+
+def settle(module):
+    """Wait until the GPU work queued on the module's device has finished, whatever stream it was queued on.
+
+    TensorPipe runs every RPC on CUDA streams of its own, drawn from a pool (pytorch/pytorch#57960), and orders only
+    the tensors a call receives or returns. A call that writes tensors it does not return (building a piece, clipping
+    gradients, loading weights, DistributedOptimizer.step, which synchronises nothing) could otherwise return before
+    its writes are done, and a call that reads what another call wrote (the gradients backward left in the autograd
+    context, the weights a step updated) could read them early. Such calls settle the device they touch (run_on):
+    writers last, readers of others' writes first. Nothing to do on the CPU."""
+    for device in {param.device for param in module.parameters() if param.is_cuda}:
+        torch.cuda.synchronize(device)
+
 
 class EmbeddingTable(nn.Module):
-    """Token ids -> dropped-out embeddings. Lives on the ps (distributed) or inside RNNModel (one process)."""
+    """Encoding layers of the RNNModel: token ids -> dropped-out embeddings. Lives on the ps."""
 
     def __init__(self, ntoken, ninp, dropout, seed, device="cpu"):
         super().__init__()
         self.drop = nn.Dropout(dropout)
-        # The ps builds the embedding and the decoder at the same time, in two RPC threads: drawn from the global
-        # RNG, their weights would depend on how the threads interleave. A generator of their own, and no
-        # default init (skip_init), keep them reproducible and leave the global RNG to dropout.
-        self.encoder = skip_init(nn.Embedding, ntoken, ninp)
+        # The ps builds this and the Decoder at the same time, in two RPC threads: drawn from the global RNG, their
+        # weights would depend on how the threads interleave. A generator of their own, and no default init
+        # (skip_init), keep them reproducible and leave the global RNG to dropout.
+        self.encoder = nn.utils.skip_init(nn.Embedding, ntoken, ninp)
         self.encoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
-        settle(self.to(device).parameters())  # built in an RPC handler on the ps: see settle
+        settle(self.to(device))  # built in an RPC handler
 
     def forward(self, input):
         return self.drop(self.encoder(input))
 
 
 class Decoder(nn.Module):
-    """LSTM output -> logits over the vocabulary, or straight to the loss. Lives on the ps or in RNNModel."""
+    """LSTM output -> logits over the vocabulary. Lives on the ps."""
 
     def __init__(self, ntoken, nhid, dropout, seed, device="cpu"):
         super().__init__()
         self.drop = nn.Dropout(dropout)
-        self.decoder = skip_init(nn.Linear, nhid, ntoken)  # see EmbeddingTable
+        self.decoder = nn.utils.skip_init(nn.Linear, nhid, ntoken)  # see EmbeddingTable
         self.decoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
         self.decoder.bias.data.zero_()
-        settle(self.to(device).parameters())
+        settle(self.to(device))
 
     def forward(self, output):
         return self.decoder(self.drop(output))
 
     def loss(self, output, targets):
-        return lm_loss(self.forward(output), targets)
+        """Beyond the tutorial: the mean cross-entropy of the logits, computed where they are made."""
+        return F.cross_entropy(self(output).flatten(0, 1), targets.flatten())
 
 
 def make_lstm(ninp, nhid, nlayers, dropout, seed):
     """The LSTM, initialised from a seed of its own, so that the trainer and a one-process model built with the
-    same seed hold the same weights. Only ever built by one thread at a time (the trainer's main thread), which
-    makes the save/restore of the global RNG below safe."""
+    same seed hold the same weights. Built by one thread at a time, so saving and restoring the global RNG is safe."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
 
 
 class RNNModel(nn.Module):
-    """The whole model in one process: what a checkpoint loads into, what --generate and --check-gradients use.
-    Piece i is built from seed + i, like the distributed model's pieces, so both start from the same weights."""
+    """Lives on the trainer: the LSTM, and RRefs to the EmbeddingTable and the Decoder that it builds on the ps.
+    Piece i is initialised from seed + i."""
+
+    def __init__(self, ps, ntoken, ninp, nhid, nlayers, dropout, seed, device, ps_device, ship_logits=False):
+        super().__init__()
+        # setup embedding table remotely
+        self.emb_table_rref = rpc.remote(ps, EmbeddingTable, args=(ntoken, ninp, dropout, seed, ps_device))
+        # setup LSTM locally
+        self.rnn = make_lstm(ninp, nhid, nlayers, dropout, seed + 1).to(device)
+        # setup decoder remotely
+        self.decoder_rref = rpc.remote(ps, Decoder, args=(ntoken, nhid, dropout, seed + 2, ps_device))
+        self.ship_logits = ship_logits
+
+    def forward(self, input, hidden):
+        # pass input to the remote embedding table and fetch emb tensor back
+        emb = self.emb_table_rref.rpc_sync().forward(input)
+        output, hidden = self.rnn(emb, hidden)
+        # pass output to the remote decoder and get the decoded output back
+        decoded = self.decoder_rref.rpc_sync().forward(output)
+        return decoded, hidden
+
+    def loss(self, input, targets, hidden):
+        """The mean cross-entropy of a window: the tutorial's forward, then the loss here (--ship-logits), or, beyond
+        the tutorial, the loss computed on the ps, where the decoder lives, so that one number comes back instead
+        of the logits (and the gradient of one number goes out in backward)."""
+        if self.ship_logits:
+            decoded, hidden = self(input, hidden)
+            return F.cross_entropy(decoded.flatten(0, 1), targets.flatten()), hidden
+        output, hidden = self.rnn(self.emb_table_rref.rpc_sync().forward(input), hidden)
+        return self.decoder_rref.rpc_sync().loss(output, targets), hidden
+
+    def parameter_rrefs(self):
+        """RRefs to the parameters of the embedding table (made on the ps), the LSTM (here) and the decoder (the ps)."""
+        return (_remote_method(_parameter_rrefs, self.emb_table_rref) + _parameter_rrefs(self.rnn)
+                + _remote_method(_parameter_rrefs, self.decoder_rref))
+
+    def train(self, mode=True):
+        """Beyond the tutorial: nn.Module.train on the ps's pieces too (their dropout); eval() calls it."""
+        on_pieces(self, nn.Module.train, mode)
+        return super().train(mode)
+
+
+def _call_method(method, rref, *args):
+    return method(rref.local_value(), *args)
+
+
+def _remote_method(method, rref, *args):
+    """method(the object rref points to, *args), run by RPC where the object lives (the tutorial's helper), for what
+    the RRef idiom `rref.rpc_sync().method(*args)` cannot do: call a function that is not a method of the object."""
+    return rpc.rpc_sync(rref.owner(), _call_method, args=(method, rref, *args))
+
+
+def _parameter_rrefs(module):
+    return [rpc.RRef(param) for param in module.parameters()]
+
+
+def init_hidden(rnn, batch_size, device="cpu"):
+    """The LSTM's initial (h, c) state: zeros for batch_size streams."""
+    return tuple(torch.zeros(rnn.num_layers, batch_size, rnn.hidden_size, device=device) for _ in range(2))
+
+
+def detach_hidden(hidden):
+    """Keep the LSTM state across windows but cut the graph, so that backward stops at the window's start."""
+    return tuple(h.detach() for h in hidden)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tutorial's training loop: distributed autograd and torch's DistributedOptimizer
+# ---------------------------------------------------------------------------------------------------------
+
+class PlainSGD(torch.optim.SGD):
+    """torch.optim.SGD under a name of its own. DistributedOptimizer swaps the optimizers it knows (optim.SGD among
+    them) for TorchScript versions: TorchScript is deprecated, and every owner then prints a DeprecationWarning that
+    no warnings filter silences (torch forces it). Any other class it builds on each owner as it is and steps with
+    the context's gradients, and only logs that this may be slow under the GIL: see run_trainer."""
+
+
+def run_trainer(args, corpus, device, ps_device, saved):
+    """The trainer's run: epochs of bptt windows, validation after each (lr / 4 when it did not improve, the best
+    weights kept), then the test of the best weights. The ps only answers the RPCs this makes."""
+    # The GIL warning of an optimizer without TorchScript (PlainSGD) concerns threads training in one process: here
+    # each owner of parameters is a process of its own.
+    logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
+    model = RNNModel(PS_NAME, len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed,
+                     device, ps_device, args.ship_logits)
+    if args.check_gradients:
+        return check_gradients(args, corpus, model, device)
+    train_data = batchify(corpus.train, args.batch_size, device)
+    valid_data, test_data = (batchify(data, args.eval_batch_size, device) for data in (corpus.valid, corpus.test))
+    batches = min(math.ceil((train_data.size(0) - 1) / args.bptt), args.max_batches or math.inf)
+    run = resume(args, model, saved, device, ps_device) if saved else start(args)
+    while run.epoch <= args.epochs:
+        # SGD keeps no state but lr: a new optimizer with this epoch's lr continues exactly where the last one was
+        opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=run.lr)
+        model.train()
+        hidden = run.hidden or init_hidden(model.rnn, args.batch_size, device)
+        epoch_start = since = time.perf_counter()
+        count = tokens = 0  # since the last log line
+        for batch in range(run.batch, batches):
+            input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
+            # create distributed autograd context
+            with dist_autograd.context() as context_id:
+                hidden = detach_hidden(hidden)
+                loss, hidden = model.loss(input, targets, hidden)
+                # run distributed backward pass
+                dist_autograd.backward(context_id, [loss])
+                clip_grad_norm(model, context_id, args.clip)  # beyond the tutorial: the recipe clips
+                # run distributed optimizer; no zero_grad: the gradients live in this context, which ends here
+                opt.step(context_id)
+                on_pieces(model, settle)  # the step's writes done (GPU) before the next window reads the weights
+            run.losses.append(loss.item())
+            count, tokens = count + 1, tokens + targets.numel()
+            if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
+                interval, seconds = batch % args.log_interval + 1, time.perf_counter() - since  # a resume included
+                mean = sum(run.losses[-interval:]) / interval
+                print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | "
+                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
+                      f"{tokens / seconds / 1000:.1f}k tokens/s", flush=True)
+                run.tokens, run.seconds = run.tokens + tokens, run.seconds + seconds
+                since, count, tokens = time.perf_counter(), 0, 0
+            if args.checkpoint_interval and (batch + 1) % args.checkpoint_interval == 0 and batch + 1 < batches:
+                write_checkpoint(args, corpus, model, run, device, ps_device, batch=batch + 1, hidden=hidden)
+        epoch_seconds = time.perf_counter() - epoch_start
+        valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
+        print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
+              f"{epoch_seconds:.1f} s/epoch", flush=True)
+        if valid_loss < run.best_valid:
+            run.best_valid, run.best_state = valid_loss, gathered(model, cpu_state_dict)
+            if args.save:
+                save(args.save, "--save", args, corpus, model=run.best_state, valid_loss=valid_loss)
+        else:
+            run.lr /= 4
+        run.epoch, run.batch, run.hidden = run.epoch + 1, 0, None
+        write_checkpoint(args, corpus, model, run, device, ps_device)
+    if run.best_state is not None:
+        load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
+    test_loss = evaluate(model, test_data, args.bptt, args.eval_batch_size, device)
+    print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
+    report(args, run, len(corpus.words), test_loss, device, ps_device)
+
+
+def evaluate(model, data, bptt, batch_size, device):
+    """Mean loss per word over a whole split, dropout off. Grad mode does not travel with an RPC: under this no_grad
+    the ps still records the autograd graph of its forward, and drops it when the call returns."""
+    model.eval()
+    total, hidden = 0.0, init_hidden(model.rnn, batch_size, device)
+    with torch.no_grad():
+        for i in range(0, data.size(0) - 1, bptt):
+            input, targets = get_batch(data, i, bptt)
+            loss, hidden = model.loss(input, targets, hidden)
+            total += input.size(0) * loss.item()
+    return total / (data.size(0) - 1)
+
+
+def run_worker(info, args, corpus, saved):
+    """Rank 0 becomes the ps and answers RPCs until the trainer is done; rank 1 becomes the trainer."""
+    # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
+    # the same time: each may use every core of the machine while the other waits.
+    torch.set_num_threads(common.usable_cpus())
+    common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
+    if args.cuda and args.check_gradients:
+        common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
+    # The ps takes GPU 0 of its machine; the trainer takes the second GPU of a machine it shares with the ps, if
+    # there is one. Tensors sent to the ps land on its GPU and the replies come back, by the map, not .to() calls.
+    device = common.pick_device(args.cuda, common.local_gpu_index(info.local_rank))
+    ps_device, devices = (torch.device("cuda", 0), [device]) if args.cuda else (torch.device("cpu"), None)
+    if info.rank == 0:
+        common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=devices)
+    else:
+        common.init_rpc(info, TRAINER_NAME, args.rpc_timeout, devices=devices,
+                        device_maps={PS_NAME: {device: ps_device}} if args.cuda else None)
+        try:
+            run_trainer(args, corpus, device, ps_device, saved)
+        except common.RunFailed:  # a full disk, said in one line: shut down in order, so that the ps adds nothing
+            with contextlib.suppress(RuntimeError, OSError):  # nor can the rendezvous store be written
+                rpc.shutdown()
+            raise
+    rpc.shutdown()  # the ps waits here, answering RPCs, until the trainer is done too
+
+
+def main(argv=None):
+    args = common.parse_args(Args, argv)
+    validate(args)
+    if args.generate:
+        return generate(args)
+    saved = read_checkpoint(args)
+    corpus = Corpus(common.wikitext2_dir(args.data_dir))
+    check_corpus(args, corpus, saved)
+    common.launch(run_worker, 2, args, corpus, saved, timeout=args.rpc_timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: real data (word_language_model's vocabulary, batchify and bptt windows)
+# ---------------------------------------------------------------------------------------------------------
+
+class Corpus:
+    """Token ids of train/valid/test (each line's words, then <eos>), one vocabulary over all three, as
+    word_language_model's Corpus. Read in the launching process, before any worker starts: a bad file is one line."""
+
+    def __init__(self, folder):
+        index = {}  # word -> id, in order of first appearance
+        for split in ("train", "valid", "test"):
+            path = Path(folder) / f"{split}.txt"
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                reason = getattr(error, "strerror", None) or "not UTF-8 text"
+                raise common.UsageError(f"cannot read {path} ({reason}); pass a --data-dir with UTF-8 text") from None
+            words = [word for line in text.splitlines() for word in line.split() + ["<eos>"]]
+            setattr(self, split, torch.tensor([index.setdefault(word, len(index)) for word in words]))
+        self.words = list(index)
+
+
+def check_corpus(args, corpus, saved):
+    """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
+    have been written for this text."""
+    for split, size, flag in (("train", args.batch_size, "--batch-size"),
+                              ("valid", args.eval_batch_size, "--eval-batch-size"),
+                              ("test", args.eval_batch_size, "--eval-batch-size")):
+        tokens = getattr(corpus, split).numel()
+        check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {flag} {size}; pass a smaller "
+                                   f"{flag} or more text")
+    check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
+          f"(its vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
+
+
+def batchify(data, batch_size, device):
+    """[tokens] -> [tokens // batch_size, batch_size]: column j is the j-th slice of the text, read top down."""
+    rows = data.size(0) // batch_size
+    return data[:rows * batch_size].view(batch_size, rows).t().contiguous().to(device)
+
+
+def get_batch(source, i, bptt):
+    """Window of up to bptt rows starting at row i, and the same window shifted one word ahead as targets."""
+    length = min(bptt, source.size(0) - 1 - i)
+    return source[i:i + length], source[i + 1:i + 1 + length]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: the pieces where they live, and clipping on the global norm over both processes
+# ---------------------------------------------------------------------------------------------------------
+
+def pieces(model):
+    """The model's three pieces under LocalRNNModel's names: RRefs to the ps's two, and the LSTM, which lives here."""
+    return {"embedding": model.emb_table_rref, "rnn": model.rnn, "decoder": model.decoder_rref}
+
+
+def run_on(piece, function, *args):
+    """function(piece, *args), run where the piece lives (by RPC for an RRef), its device settled before and after:
+    it may read what another call wrote (gradients, weights) or write what it does not return."""
+    if isinstance(piece, nn.Module):
+        return _settled(piece, function, *args)
+    return _remote_method(_settled, piece, function, *args)
+
+
+def _settled(module, function, *args):
+    settle(module)
+    result = function(module, *args)
+    settle(module)
+    return None if result is module else result  # nn.Module.train returns the module: RPC would send it whole
+
+
+def on_pieces(model, function, *args):
+    return {name: run_on(piece, function, *args) for name, piece in pieces(model).items()}
+
+
+def clip_grad_norm(model, context_id, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over the gradients of one distributed autograd context, on both processes, to
+    the bit: each piece's owner returns the norm of each of its gradients; the trainer takes the norm of these norms
+    in the parameters' order (get_total_norm, as clip_grad_norm_ does); each owner scales its gradients in place by
+    torch's clip_grads_with_norm_. Returns the norm before clipping."""
+    total_norm = nn.utils.get_total_norm([norm for norms in on_pieces(model, grad_norms, context_id).values()
+                                          for norm in norms])
+    on_pieces(model, clip_grads, context_id, max_norm, total_norm)
+    return total_norm.item()
+
+
+def grad_norms(module, context_id):
+    """The norm of each of the module's gradients in the context, on the CPU."""
+    grads = dist_autograd.get_gradients(context_id)
+    return [torch.linalg.vector_norm(grads[param]).cpu() for param in module.parameters()]
+
+
+def clip_grads(module, context_id, max_norm, total_norm):
+    """Scale the module's gradients in the context in place. get_gradients hands out the context's own tensors, the
+    ones DistributedOptimizer.step reads: scaling them is what makes the clipping reach the step."""
+    grads = dist_autograd.get_gradients(context_id)
+    for param in module.parameters():
+        param.grad = grads[param]
+    nn.utils.clip_grads_with_norm_(module.parameters(), max_norm, total_norm)
+
+
+def cpu_state_dict(module):
+    """Copies of a module's weights on the CPU (a kept best state must not follow the live weights)."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
+
+
+def gathered(model, function, *args):
+    """function(piece, *args) -> {name: tensor}, run where each piece lives, merged under LocalRNNModel's names."""
+    return {f"{piece}.{name}": tensor for piece, tensors in on_pieces(model, function, *args).items()
+            for name, tensor in tensors.items()}
+
+
+def load_gathered(model, state):
+    """Load weights under LocalRNNModel's names into the pieces, where each lives."""
+    for piece, module in pieces(model).items():
+        run_on(module, nn.Module.load_state_dict, {name.split(".", 1)[1]: tensor for name, tensor in state.items()
+                                                   if name.split(".", 1)[0] == piece})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: the same model in one process, and proof that the distributed math is its math
+# ---------------------------------------------------------------------------------------------------------
+
+class LocalRNNModel(nn.Module):
+    """The whole model in one process (word_language_model's RNNModel): what --save writes and --generate loads,
+    and the reference of --check-gradients. Built from the same seed, it holds the distributed model's weights."""
 
     def __init__(self, ntoken, ninp, nhid, nlayers, dropout, seed=0):
         super().__init__()
@@ -213,498 +536,57 @@ class RNNModel(nn.Module):
         output, hidden = self.rnn(self.embedding(input), hidden)
         return self.decoder.loss(output, targets), hidden
 
-    def init_hidden(self, batch_size, device="cpu"):
-        return zero_hidden(self.rnn, batch_size, device)
-
-
-def lm_loss(logits, targets):
-    """Mean cross-entropy of next-word logits [rows, batch, ntoken] against target ids [rows, batch]."""
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def zero_hidden(lstm, batch_size, device="cpu"):
-    """The LSTM's initial (h, c) state for batch_size streams."""
-    shape = (lstm.num_layers, batch_size, lstm.hidden_size)
-    return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The roles: the trainer holds the LSTM and RRefs to the ps's pieces, and drives everything; the ps answers RPCs
-# ---------------------------------------------------------------------------------------------------------
-
-class DistributedRNNModel(nn.Module):
-    """Lives on the trainer: holds the LSTM, and RRefs to the embedding table and the decoder on the ps."""
-
-    def __init__(self, ntoken, ninp, nhid, nlayers, dropout, seed, device, ps_device, ship_logits):
-        super().__init__()
-        self.ship_logits = ship_logits
-        self.embedding_rref = rpc.remote(PS_NAME, EmbeddingTable, args=(ntoken, ninp, dropout, seed, ps_device))
-        self.rnn = make_lstm(ninp, nhid, nlayers, dropout, seed + 1).to(device)
-        self.decoder_rref = rpc.remote(PS_NAME, Decoder, args=(ntoken, nhid, dropout, seed + 2, ps_device))
-        self.remote_pieces = {"embedding": self.embedding_rref, "decoder": self.decoder_rref}
-
-    def loss(self, input, targets, hidden):
-        """The forward pass across both processes. Inside a dist_autograd context each RPC records its send and
-        receive, so that backward later flows back through the ps. The loss is computed where the decoder lives;
-        --ship-logits brings the logits here instead, as the tutorial does."""
-        embedded = self.embedding_rref.rpc_sync().forward(input)
-        output, hidden = self.rnn(embedded, hidden)
-        if self.ship_logits:
-            return lm_loss(self.decoder_rref.rpc_sync().forward(output), targets), hidden
-        return self.decoder_rref.rpc_sync().loss(output, targets), hidden
-
-    def parameter_rrefs(self):
-        """RRefs to every parameter of both processes, for the distributed optimizer (as in the tutorial)."""
-        return (on_owner(self.embedding_rref, parameter_rrefs) + parameter_rrefs(self.rnn)
-                + on_owner(self.decoder_rref, parameter_rrefs))
-
-    def train(self, mode=True):
-        super().train(mode)
-        for rref in self.remote_pieces.values():
-            on_owner(rref, nn.Module.train, mode)
-        return self
-
-    def init_hidden(self, batch_size, device):
-        return zero_hidden(self.rnn, batch_size, device)
-
-
-def on_owner(rref, function, *args):
-    """function(the object rref points to, *args), run by RPC in the process that owns the object; returns the
-    result. The tutorial's `_remote_method`, for what the RRef idiom `rref.rpc_sync().method(*args)` cannot do:
-    call a function that is not a method of the object (parameter_rrefs, cpu_state_dict), or a method that returns
-    the object itself (nn.Module.train would send the whole module back; None comes back instead)."""
-    return rpc.rpc_sync(rref.owner(), _apply_to_local_value, args=(rref, function, *args))
-
-
-def _apply_to_local_value(rref, function, *args):
-    value = rref.local_value()
-    result = function(value, *args)
-    return None if result is value else result
-
-
-def parameter_rrefs(module):
-    """RRefs to a module's parameters, made where they live (the tutorial's `_parameter_rrefs`)."""
-    return [rpc.RRef(param) for param in module.parameters()]
-
-
-def train_step(model, optimizer, input, targets, hidden, clip):
-    """One window: forward and backward across both processes, global clipping, one SGD step on every owner.
-    No zero_grad: each step's gradients live in its own autograd context, dropped when the context ends."""
-    with dist_autograd.context() as context_id:
-        loss, hidden = model.loss(input, targets, hidden)
-        dist_autograd.backward(context_id, [loss])
-        optimizer.clip_grad_norm(context_id, clip)
-        optimizer.step(context_id)
-    return loss.item(), hidden
-
-
-def run_trainer(args, corpus, device, ps_device, resume_from):
-    """The trainer's run: epochs of bptt windows, validation after each (lr / 4 when it did not improve, the best
-    model kept), then the test of the best model. The ps only answers the RPCs this makes."""
-    model = DistributedRNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed,
-                                device, ps_device, args.ship_logits)
-    if args.check_gradients:
-        return check_gradients(args, corpus, model, device)
-    train_data = batchify(corpus.train, args.batch_size, device)
-    valid_data, test_data = (batchify(data, args.eval_batch_size, device) for data in (corpus.valid, corpus.test))
-    batches = batches_per_epoch(train_data, args)
-    run = resume(args, model, resume_from, device, ps_device) if resume_from else Progress(lr=args.lr)
-    optimizer = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=run.lr)
-    for epoch in range(run.epoch, args.epochs + 1):
-        epoch_start = time.perf_counter()
-        model.train()
-        first_batch, hidden = run.start_epoch()
-        hidden = hidden or model.init_hidden(args.batch_size, device)
-        for batch in range(first_batch, batches):
-            input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
-            loss, hidden = train_step(model, optimizer, input, targets, detach_hidden(hidden), args.clip)
-            run.record(loss, targets.numel())
-            if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
-                print(f"epoch {epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | {run.interval_line()}",
-                      flush=True)
-            if args.checkpoint_interval and (batch + 1) % args.checkpoint_interval == 0 and batch + 1 < batches:
-                write_checkpoint(args, corpus, model, run.at(epoch, batch + 1, hidden), device, ps_device)
-        epoch_seconds = time.perf_counter() - epoch_start
-        run.valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
-        print(f"epoch {epoch} | valid loss {run.valid_loss:.2f} | valid ppl {math.exp(min(run.valid_loss, 50)):.1f} | "
-              f"{epoch_seconds:.1f} s/epoch", flush=True)
-        if run.valid_loss < run.best_valid:
-            run.best_valid, run.best_state = run.valid_loss, gathered_state_dict(model)
-            if args.save:
-                save_model(args, corpus, run.best_state, run.valid_loss)
-        else:
-            run.lr /= 4
-            optimizer.set_lr(run.lr)
-        write_checkpoint(args, corpus, model, run.at(epoch + 1, 0, None), device, ps_device)
-    if run.best_state is not None and run.valid_loss > run.best_valid:
-        load_gathered_state_dict(model, run.best_state)  # test the model that was kept, as pytorch/examples does
-    test_loss = evaluate(model, test_data, args.bptt, args.eval_batch_size, device)
-    print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
-    report(args, run, len(corpus.words), test_loss, device, ps_device)
-
-
-def evaluate(model, data, bptt, batch_size, device):
-    """Mean loss per word over a whole split. Grad mode does not travel with an RPC: under this torch.no_grad() the
-    ps still records the autograd graph of its forward, and drops it when the call returns. That costs no time that
-    shows (the decoder's loss on 350 x 33k logits took 119-131 ms either way) and less memory than a training
-    step, so no helper carries the mode across and the calls keep the RRef idiom."""
-    model.eval()
-    total, hidden = 0.0, model.init_hidden(batch_size, device)
-    with torch.no_grad():
-        for i in range(0, data.size(0) - 1, bptt):
-            input, targets = get_batch(data, i, bptt)
-            loss, hidden = model.loss(input, targets, hidden)
-            total += input.size(0) * loss.item()
-    return total / (data.size(0) - 1)
-
-
-def run_worker(info, args, corpus, resume_from):
-    """Rank 0 becomes the ps and answers RPCs until the trainer is done; rank 1 becomes the trainer."""
-    # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
-    # the same time: each may use every core of the machine while the other waits.
-    torch.set_num_threads(common.usable_cpus())
-    common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
-    ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
-    if args.cuda and args.check_gradients:
-        common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
-    if info.rank == 0:
-        common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=[ps_device] if args.cuda else None)
-    else:
-        device = torch.device("cpu")
-        device_maps = None
-        if args.cuda:
-            # On one machine with 2 GPUs the trainer takes the second; tensors sent to the ps land on its GPU and
-            # the replies come back to the trainer's, by the map instead of .to() calls in the model.
-            device = torch.device("cuda", info.local_rank % common.cuda_device_count())
-            torch.cuda.set_device(device)
-            device_maps = {PS_NAME: {device: ps_device}}
-        common.init_rpc(info, TRAINER_NAME, args.rpc_timeout, device_maps=device_maps,
-                        devices=[device] if args.cuda else None)
-        try:
-            run_trainer(args, corpus, device, ps_device, resume_from)
-        except common.RunFailed:  # a full disk, said in one line: end the ps in order, so that it adds nothing
-            shut_down_in_order()
-            raise
-    rpc.shutdown()  # the ps waits here, answering RPCs, until the trainer is done too
-
-
-def main():
-    args = common.parse_args(Args)
-    validate(args)
-    if args.generate:
-        generate(args)
-        return
-    corpus = Corpus(common.wikitext2_dir(args.data_dir))
-    check_corpus(args, corpus)
-    resume_from = read_checkpoint(args, corpus)
-    common.launch(run_worker, 2, args, corpus, resume_from, timeout=args.rpc_timeout)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: real data (word_language_model's vocabulary, batchify and bptt windows)
-# ---------------------------------------------------------------------------------------------------------
-
-class Corpus:
-    """Token ids of train/valid/test, one vocabulary over all three (as pytorch/examples does). Built in the
-    launching process, before any worker starts, so that a bad file is a one-line error."""
-
-    def __init__(self, folder):
-        self.words = []
-        self.index = {}
-        self.train, self.valid, self.test = (self.tokenize(Path(folder) / name)
-                                             for name in ("train.txt", "valid.txt", "test.txt"))
-
-    def tokenize(self, path):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
-            raise UsageError(f"cannot read {path} ({reason}); pass a --data-dir with UTF-8 text files") from None
-        ids = []
-        for line in text.splitlines():
-            for word in line.split() + ["<eos>"]:
-                if word not in self.index:
-                    self.index[word] = len(self.words)
-                    self.words.append(word)
-                ids.append(self.index[word])
-        check(len(text.split()) > 0, f"{path} holds no words; pass a --data-dir with train/valid/test.txt text")
-        return torch.tensor(ids, dtype=torch.long)
-
-
-def check_corpus(args, corpus):
-    """Each split must give every stream of its batch at least one window of two words."""
-    for name, batch_size, flag in (("train", args.batch_size, "--batch-size"),
-                                   ("valid", args.eval_batch_size, "--eval-batch-size"),
-                                   ("test", args.eval_batch_size, "--eval-batch-size")):
-        tokens = getattr(corpus, name).numel()
-        check(tokens // batch_size >= 2, f"{name}.txt has {tokens} tokens, too few for {flag} {batch_size}; pass "
-                                         f"a smaller {flag} or more text")
-
-
-def batchify(data, batch_size, device):
-    """[tokens] -> [tokens // batch_size, batch_size]: column j is the j-th slice of the text, read top down."""
-    rows = data.size(0) // batch_size
-    return data[:rows * batch_size].view(batch_size, rows).t().contiguous().to(device)
-
-
-def get_batch(source, i, bptt):
-    """Window of up to bptt rows starting at row i, and the same window shifted one word ahead as targets."""
-    length = min(bptt, source.size(0) - 1 - i)
-    return source[i:i + length], source[i + 1:i + 1 + length]
-
-
-def batches_per_epoch(train_data, args):
-    batches = math.ceil((train_data.size(0) - 1) / args.bptt)
-    return min(batches, args.max_batches) if args.max_batches else batches
-
-
-def detach_hidden(hidden):
-    """Keep the LSTM state across windows but cut the graph, so backward stops at the window's start."""
-    return tuple(h.detach() for h in hidden)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: torch's DistributedOptimizer without TorchScript, and clipping on the global norm
-# ---------------------------------------------------------------------------------------------------------
-
-def settle(tensors):
-    """Wait until the GPU work queued on these tensors' devices has finished, whatever stream it was queued on.
-
-    TensorPipe runs every RPC on CUDA streams of its own (pytorch/pytorch#57960) and orders only the tensors a call
-    receives or returns. A call that writes tensors it does not return (building a module, an optimizer step,
-    scaling gradients, loading weights) could otherwise return before its writes are done, and a call that reads
-    what another call wrote (the gradients that backward left in the autograd context, the weights a step updated)
-    could read them early. Such calls settle the devices they touch: writers last, readers of others' writes
-    first. Nothing to do on the CPU.
-    """
-    for device in {tensor.device for tensor in tensors if tensor.is_cuda}:
-        torch.cuda.synchronize(device)
-
-
-class LocalOptimizer:
-    """Lives on every process that owns parameters (the ps and the trainer): a plain torch.optim optimizer over
-    them, stepped by RPC with the gradients of one distributed autograd context. It is what
-    torch.distributed.optim.DistributedOptimizer keeps on each owner, without TorchScript (deprecated), plus the
-    owner's two halves of global gradient clipping. Each method settles the device first and last."""
-
-    def __init__(self, optimizer_class, param_rrefs, **options):
-        self.params = [rref.local_value() for rref in param_rrefs]
-        self.optimizer = optimizer_class(self.params, **options)
-
-    def context_grads(self, context_id):
-        grads = dist_autograd.get_gradients(context_id)
-        return [grads[param] for param in self.params if param in grads]
-
-    def grad_norms(self, context_id):
-        """The norm of each of this owner's gradients in the context, on the CPU (None for a parameter without)."""
-        grads = dist_autograd.get_gradients(context_id)
-        settle(grads.values())
-        return [torch.linalg.vector_norm(grads[param]).cpu() if param in grads else None for param in self.params]
-
-    def scale_grads(self, context_id, factor):
-        # get_gradients hands out the context's own tensors, the ones step() reads: scaling them in place is what
-        # makes the clipping reach the update.
-        grads = self.context_grads(context_id)
-        settle(grads)
-        for grad in grads:
-            grad.mul_(factor.to(grad.device))
-        settle(grads)
-
-    def step(self, context_id):
-        grads = dist_autograd.get_gradients(context_id)
-        settle(self.params)
-        for param in self.params:
-            param.grad = grads.get(param)
-        self.optimizer.step()
-        settle(self.params)
-
-    def set_lr(self, lr):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-
-class DistributedOptimizer:
-    """Lives on the trainer: a LocalOptimizer on each owner of the parameters in param_rrefs (as
-    torch.distributed.optim.DistributedOptimizer(optimizer_class, param_rrefs, **options) would create), and
-    gradient clipping on the global norm over all of them."""
-
-    def __init__(self, optimizer_class, param_rrefs, **options):
-        by_owner = {}
-        self.order = []  # (owner's index, index among that owner's parameters) of each parameter, in given order
-        for rref in param_rrefs:
-            owned = by_owner.setdefault(rref.owner(), [])
-            self.order.append((list(by_owner).index(rref.owner()), len(owned)))
-            owned.append(rref)
-        self.local_optimizers = [rpc.remote(owner, LocalOptimizer, args=(optimizer_class, rrefs), kwargs=options)
-                                 for owner, rrefs in by_owner.items()]
-
-    def _on_every_owner(self, method, *args):
-        return torch.futures.wait_all([getattr(rref.rpc_async(), method)(*args) for rref in self.local_optimizers])
-
-    def clip_grad_norm(self, context_id, max_norm):
-        """torch.nn.utils.clip_grad_norm_ over parameters spread on several processes, to the bit: each owner
-        reports the norm of each of its gradients in the context, the trainer takes the norm of those norms in the
-        parameters' order, in float32 as clip_grad_norm_ does, and every owner scales its gradients by the same
-        factor. Returns the norm before clipping."""
-        norms = self._on_every_owner("grad_norms", context_id)
-        total_norm = torch.linalg.vector_norm(torch.stack([norms[owner][index] for owner, index in self.order
-                                                           if norms[owner][index] is not None]))
-        factor = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        if factor < 1.0:
-            self._on_every_owner("scale_grads", context_id, factor)
-        return total_norm.item()
-
-    def step(self, context_id):
-        self._on_every_owner("step", context_id)
-
-    def set_lr(self, lr):
-        self._on_every_owner("set_lr", lr)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: the weights and gradients of both processes under RNNModel's names
-# ---------------------------------------------------------------------------------------------------------
-
-def cpu_state_dict(module):
-    """Copies of a module's weights on the CPU (a kept best state must not follow the live weights). Settles
-    first: the last optimizer step may have written them on another stream."""
-    state = module.state_dict()
-    settle(state.values())
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
-
-
-def load_weights(module, state):
-    module.load_state_dict(state)
-    settle(module.parameters())
-
 
 def context_grads(module, context_id):
-    """The gradients of a module's parameters in one distributed autograd context, on the CPU."""
+    """The module's gradients in one distributed autograd context, on the CPU."""
     grads = dist_autograd.get_gradients(context_id)
-    settle(grads.values())
-    return {name: grads[param].cpu() for name, param in module.named_parameters() if param in grads}
+    return {name: grads[param].cpu() for name, param in module.named_parameters()}
 
-
-def gathered_state_dict(model):
-    """The weights of both processes under RNNModel's names, on the CPU: a checkpoint RNNModel loads."""
-    state = {f"rnn.{name}": tensor for name, tensor in cpu_state_dict(model.rnn).items()}
-    for piece, rref in model.remote_pieces.items():
-        state.update({f"{piece}.{name}": tensor for name, tensor in on_owner(rref, cpu_state_dict).items()})
-    return state
-
-
-def load_gathered_state_dict(model, state):
-    load_weights(model.rnn, {name[4:]: tensor for name, tensor in state.items() if name.startswith("rnn.")})
-    for piece, rref in model.remote_pieces.items():
-        on_owner(rref, load_weights, {name[len(piece) + 1:]: tensor for name, tensor in state.items()
-                                      if name.startswith(piece + ".")})
-
-
-def gathered_context_grads(model, context_id):
-    """The gradients of one autograd context, from both processes, under RNNModel's names."""
-    grads = {f"rnn.{name}": grad for name, grad in context_grads(model.rnn, context_id).items()}
-    for piece, rref in model.remote_pieces.items():
-        grads.update({f"{piece}.{name}": grad for name, grad in on_owner(rref, context_grads, context_id).items()})
-    return grads
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: proof that the distributed math is the one-process math
-# ---------------------------------------------------------------------------------------------------------
 
 def check_gradients(args, corpus, model, device):
     """Same weights, same batches, in one process and over RPC: report the largest differences of loss, clipped
     gradients and updated weights. Needs --dropout 0: the two runs draw their dropout masks differently."""
-    local = RNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed)
-    local_optimizer = optim.SGD(local.parameters(), lr=args.lr)
-    optimizer = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=args.lr)
+    local = LocalRNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed)
+    local_opt = PlainSGD(local.parameters(), lr=args.lr)
+    opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=args.lr)
     train_data = batchify(corpus.train, args.batch_size, "cpu")
-    hidden, local_hidden = model.init_hidden(args.batch_size, device), local.init_hidden(args.batch_size)
-    worst = {"loss_diff": 0.0, "max_grad_diff": 0.0, "max_param_diff": 0.0}
-    norms = []
+    hidden, local_hidden = init_hidden(model.rnn, args.batch_size, device), init_hidden(local.rnn, args.batch_size)
+    worst, norms = [0.0, 0.0, 0.0], []  # the largest differences of loss, gradients and weights
     for batch in range(min(args.max_batches or 2, math.ceil((train_data.size(0) - 1) / args.bptt))):
         input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
-        hidden, local_hidden = detach_hidden(hidden), detach_hidden(local_hidden)
-        with dist_autograd.context() as context_id:
-            loss, hidden = model.loss(input.to(device), targets.to(device), hidden)
+        with dist_autograd.context() as context_id:  # as run_trainer, the gradients gathered before the step
+            loss, hidden = model.loss(input.to(device), targets.to(device), detach_hidden(hidden))
             dist_autograd.backward(context_id, [loss])
-            norms.append(optimizer.clip_grad_norm(context_id, args.clip))
-            grads = gathered_context_grads(model, context_id)
-            optimizer.step(context_id)
-        local_optimizer.zero_grad()
-        local_loss, local_hidden = local.loss(input, targets, local_hidden)
+            norms.append(clip_grad_norm(model, context_id, args.clip))
+            grads = gathered(model, context_grads, context_id)
+            opt.step(context_id)
+        local_opt.zero_grad()
+        local_loss, local_hidden = local.loss(input, targets, detach_hidden(local_hidden))
         local_loss.backward()
         local_norm = nn.utils.clip_grad_norm_(local.parameters(), args.clip).item()
-        local_optimizer.step()
-        params = gathered_state_dict(model)
-        worst["loss_diff"] = max(worst["loss_diff"], abs(loss.item() - local_loss.item()))
-        worst["max_grad_diff"] = max([worst["max_grad_diff"]] + [(grads[name] - param.grad).abs().max().item()
-                                                                for name, param in local.named_parameters()])
-        worst["max_param_diff"] = max([worst["max_param_diff"]] + [(params[name] - param).abs().max().item()
-                                                                  for name, param in local.state_dict().items()])
+        local_opt.step()
+        weights = gathered(model, cpu_state_dict)  # which settles the step's writes too
+        worst = [max(worst[0], abs(loss.item() - local_loss.item())),
+                 max([worst[1]] + [(grads[name] - p.grad).abs().max().item() for name, p in local.named_parameters()]),
+                 max([worst[2]] + [(weights[name] - p).abs().max().item() for name, p in local.state_dict().items()])]
         print(f"batch {batch + 1} | loss {loss.item():.6f} vs {local_loss.item():.6f} | grad norm {norms[-1]:.5f} "
-              f"vs {local_norm:.5f} | max grad diff {worst['max_grad_diff']:.2e} | "
-              f"max weight diff {worst['max_param_diff']:.2e}", flush=True)
+              f"vs {local_norm:.5f} | max grad diff {worst[1]:.2e} | max weight diff {worst[2]:.2e}", flush=True)
     common.emit_result(SCRIPT, mode="check-gradients", batches=len(norms), grad_norms=norms, clip=args.clip,
-                       compared=len(grads), **worst)
+                       compared=len(grads), **dict(zip(("loss_diff", "max_grad_diff", "max_param_diff"), worst)))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: progress, reporting, checkpoints and exact resume, sampling
+# Beyond the tutorial: reporting, checkpoints and exact resume, sampling
 # ---------------------------------------------------------------------------------------------------------
 
-@dataclass
-class Progress:
-    """Lives on the trainer: where the run stands and what it has measured. With the weights of both processes
-    and the RNG states that draw their dropout masks, it is all a checkpoint needs to continue exactly (SGD
-    keeps no state besides lr)."""
-    lr: float
-    epoch: int = 1
-    batch: int = 0  # the next training batch of `epoch`
-    hidden: Optional[tuple] = None  # the LSTM state after `batch` batches, when a checkpoint cut an epoch
-    best_valid: float = math.inf
-    best_state: Optional[dict] = None
-    valid_loss: float = math.nan
-    losses: list = field(default_factory=list)
-    tokens: int = 0  # trained on, and the seconds it took, over the whole run (tokens_per_s)
-    seconds: float = 0.0
-    interval_loss: float = 0.0  # since the last log line
-    interval_batches: int = 0
-    interval_tokens: int = 0
-    interval_seconds: float = 0.0
-
-    def start_epoch(self):
-        """Start the clock of the log interval; returns the batch to start from (0 unless resuming within the epoch)
-        and the LSTM state to start with (None: zeros)."""
-        self.interval_start = time.perf_counter() - self.interval_seconds
-        (batch, self.batch), (hidden, self.hidden) = (self.batch, 0), (self.hidden, None)
-        return batch, hidden
-
-    def record(self, loss, tokens):
-        self.losses.append(loss)
-        self.interval_loss += loss
-        self.interval_batches += 1
-        self.interval_tokens += tokens
-
-    def interval_line(self):
-        """The log line's figures over the interval since the last one; starts the next interval."""
-        seconds = time.perf_counter() - self.interval_start
-        mean = self.interval_loss / self.interval_batches
-        line = (f"{1000 * seconds / self.interval_batches:.1f} ms/batch | loss {mean:.2f} | "
-                f"ppl {math.exp(min(mean, 50)):.1f} | {self.interval_tokens / seconds / 1000:.1f}k tokens/s")
-        self.tokens += self.interval_tokens
-        self.seconds += seconds
-        self.interval_loss, self.interval_batches, self.interval_tokens = 0.0, 0, 0
-        self.interval_start, self.interval_seconds = time.perf_counter(), 0.0
-        return line
-
-    def at(self, epoch, batch, hidden):
-        """This progress as a checkpoint stores it, placed before batch `batch` of epoch `epoch`."""
-        state = {item.name: getattr(self, item.name) for item in fields(self)}
-        state.update(epoch=epoch, batch=batch, losses=torch.tensor(self.losses, dtype=torch.float64),
-                     hidden=None if hidden is None else tuple(h.detach().cpu() for h in hidden),
-                     interval_seconds=time.perf_counter() - self.interval_start if batch else 0.0)
-        return state
+def start(args):
+    """Where a run stands, on the trainer. With the weights and the RNG states of both processes (which draw the
+    dropout masks), it is all a checkpoint needs to continue exactly: SGD keeps no state but lr. `batch` is the next
+    training batch of `epoch`, `hidden` the LSTM state before it when a checkpoint cut an epoch (None: zeros),
+    `best_state` the weights of the best valid loss, under LocalRNNModel's names; `losses` has every batch's, and
+    `tokens` were trained on in `seconds` of training."""
+    return SimpleNamespace(lr=args.lr, epoch=1, batch=0, hidden=None, best_valid=math.inf, best_state=None, losses=[],
+                           tokens=0, seconds=0.0)
 
 
 def report(args, run, ntoken, test_loss, device, ps_device):
@@ -718,21 +600,19 @@ def report(args, run, ntoken, test_loss, device, ps_device):
                        tokens_per_s=run.tokens / run.seconds if run.seconds else 0.0)
 
 
-def model_config(args, corpus):
-    """RNNModel's arguments: RNNModel(**config) builds the model a checkpoint's weights load into."""
-    return {"ntoken": len(corpus.words), "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers,
-            "dropout": args.dropout}
+def model_config(args, ntoken):
+    """LocalRNNModel's arguments: LocalRNNModel(**config) builds the model a checkpoint's weights load into."""
+    return {"ntoken": ntoken, "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers, "dropout": args.dropout}
 
 
-def save_model(args, corpus, state, valid_loss):
-    """--save: the best model so far, for the plain RNNModel, written atomically by common.save_checkpoint (a
-    failed write keeps the previous file and ends the run in one line):
-    `RNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])`, with ckpt = torch.load(path)."""
-    common.save_checkpoint(args.save, SCRIPT, {"model": state, "vocab": corpus.words, "valid_loss": valid_loss,
-                                               "config": model_config(args, corpus)}, "--save")
+def save(path, flag, args, corpus, **state):
+    """A file that `LocalRNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])` loads, with ckpt =
+    torch.load(path), written atomically by common.save_checkpoint: a failed write keeps the previous file."""
+    common.save_checkpoint(path, SCRIPT, {"vocab": corpus.words, "config": model_config(args, len(corpus.words)),
+                                          **state}, flag)
 
 
-CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "progress", "rng")
+CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "run", "rng")
 
 
 def checkpoint_path(args):
@@ -741,61 +621,56 @@ def checkpoint_path(args):
 
 def recipe(args):
     """The flags that a resumed run must share with the run that wrote the checkpoint: they change the math."""
-    names = ("emsize", "nhid", "nlayers", "dropout", "batch_size", "eval_batch_size", "bptt", "lr", "clip", "seed",
-             "max_batches")
-    return {name: getattr(args, name) for name in names}
+    return {name: getattr(args, name) for name in ("emsize", "nhid", "nlayers", "dropout", "batch_size",
+                                                   "eval_batch_size", "bptt", "lr", "clip", "seed", "max_batches")}
 
 
-def write_checkpoint(args, corpus, model, progress, device, ps_device):
-    """The whole run, from both processes, in one file in --checkpoint-dir, written atomically by the trainer
-    (common.save_checkpoint): the current weights (also loadable by --generate), the progress, and the RNG states
-    of both processes, which draw the dropout masks."""
+def write_checkpoint(args, corpus, model, run, device, ps_device, **at):
+    """The whole run, from both processes, in one file in --checkpoint-dir, written by the trainer: the weights
+    (also loadable by --generate), where the run stands (`at` a batch within an epoch, with the LSTM state there),
+    and the RNG states of both processes, which draw the dropout masks."""
     if args.checkpoint_dir:
+        state = {**vars(run), **at}
+        state["hidden"] = state["hidden"] and tuple(h.cpu() for h in state["hidden"])
         rng = {TRAINER_NAME: rng_state(device), PS_NAME: rpc.rpc_sync(PS_NAME, rng_state, args=(ps_device,))}
-        common.save_checkpoint(checkpoint_path(args), SCRIPT, {
-            "model": gathered_state_dict(model), "vocab": corpus.words, "config": model_config(args, corpus),
-            "recipe": recipe(args), "progress": progress, "rng": rng}, "--checkpoint-dir")
+        save(checkpoint_path(args), "--checkpoint-dir", args, corpus, model=gathered(model, cpu_state_dict), rng=rng,
+             recipe=recipe(args), run=state)
 
 
-def read_checkpoint(args, corpus):
-    """The checkpoint that --resume continues, verified (common.load_checkpoint) and checked against these flags
-    and this text; None when there is none yet (the run starts from the beginning). Read in the launcher, before
-    any process starts; under torchrun, in each process."""
-    path = checkpoint_path(args) if args.resume else None
-    if path is None or not path.exists():
+def read_checkpoint(args):
+    """The checkpoint that --resume continues, or None when there is none yet (the run starts from the beginning).
+    Read once, before the data and any process: verified (common.load_checkpoint; a checkpoint of another version
+    lacks a key), and checked against these flags and the model they build (its vocabulary, once the text is read)."""
+    if not (args.resume and checkpoint_path(args).exists()):
         return None
+    path = checkpoint_path(args)
     saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=CHECKPOINT_KEYS)
     differ = [f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
               if recipe(args).get(name) != value]
     check(not differ, f"--resume {path}: written with {', '.join(differ)}; pass the same flags or another "
                       f"--checkpoint-dir")
-    check(saved["vocab"] == corpus.words, f"--resume {path}: written for another text (its vocabulary differs); "
-                                          f"pass the same --data-dir or another --checkpoint-dir")
-    done = saved["progress"]["epoch"] - 1
-    check(done <= args.epochs, f"--resume {path}: holds {done} finished epochs, more than --epochs {args.epochs}; "
-                               f"pass a larger --epochs or another --checkpoint-dir")
+    check(saved["run"]["epoch"] - 1 <= args.epochs, f"--resume {path}: holds {saved['run']['epoch'] - 1} finished "
+                                                    f"epochs, more than --epochs {args.epochs}; pass a larger --epochs")
+    model = LocalRNNModel(**model_config(args, len(saved["vocab"])))
+    for weights in filter(None, (saved["model"], saved["run"]["best_state"])):
+        common.check_fits(model, weights, "--resume", path)
     return saved
 
 
 def resume(args, model, saved, device, ps_device):
     """Put both processes back where the checkpoint was taken: weights, RNG states, progress."""
-    load_gathered_state_dict(model, saved["model"])
+    load_gathered(model, saved["model"])
     set_rng_state(saved["rng"][TRAINER_NAME], device)
     rpc.rpc_sync(PS_NAME, set_rng_state, args=(saved["rng"][PS_NAME], ps_device))
-    progress = dict(saved["progress"], losses=saved["progress"]["losses"].tolist())
-    if progress["hidden"] is not None:
-        progress["hidden"] = tuple(h.to(device) for h in progress["hidden"])
-    print(f"resuming at epoch {progress['epoch']} batch {progress['batch']} from {checkpoint_path(args)}",
-          flush=True)
-    return Progress(**progress)
+    run = SimpleNamespace(**saved["run"])
+    run.hidden = run.hidden and tuple(h.to(device) for h in run.hidden)
+    print(f"resuming at epoch {run.epoch} batch {run.batch} from {checkpoint_path(args)}", flush=True)
+    return run
 
 
 def rng_state(device):
     """The states of this process's generators that draw dropout masks on `device`."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
 def set_rng_state(state, device):
@@ -803,37 +678,22 @@ def set_rng_state(state, device):
     expose and re-seeds from the CUDA generator once that is set: a resumed --cuda run with LSTM dropout draws
     other masks between the LSTM's layers than an uninterrupted run would."""
     torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
+    if state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def shut_down_in_order():
-    """The graceful rpc.shutdown() that ends a run, for a trainer that is about to fail: the ps, waiting in its own
-    shutdown, then ends cleanly, instead of logging TensorPipe's warning about a pipe its peer closed. The
-    shutdown meets through the rendezvous store; if that cannot be written either (a file store on a full disk),
-    the run still ends with the trainer's line first, and the ps's warning may follow it."""
-    try:
-        rpc.shutdown()
-    except (RuntimeError, OSError):  # torch's store errors (DistStoreError) are RuntimeErrors
-        pass
-
-
 def generate(args):
-    """Load a checkpoint into the plain RNNModel and sample words from it, one at a time."""
+    """Load a saved model into LocalRNNModel, checked to fit, and sample words from it one at a time."""
     saved = common.load_checkpoint(args.load, SCRIPT, "--load", keys=("model", "vocab", "config"))
-    model = RNNModel(**saved["config"])
-    model.load_state_dict(saved["model"])
     words = saved["vocab"]
+    model = common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--load", args.load).eval()
     common.seed_everything(args.seed)
-    model.eval()
-    input, hidden = torch.randint(len(words), (1, 1)), model.init_hidden(1)
-    sampled = []
+    input, hidden, sampled = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1), []
     with torch.no_grad():
         for _ in range(args.generate):
             logits, hidden = model(input, hidden)
-            index = torch.multinomial(F.softmax(logits.view(-1) / args.temperature, dim=0), 1).item()
-            input.fill_(index)
-            sampled.append(words[index])
+            input.fill_(torch.multinomial(F.softmax(logits.view(-1) / args.temperature, dim=0), 1).item())
+            sampled.append(words[input.item()])
     for start in range(0, len(sampled), 20):
         print(" ".join(sampled[start:start + 20]), flush=True)
     common.emit_result(SCRIPT, mode="generate", words=len(sampled), vocab=len(words))

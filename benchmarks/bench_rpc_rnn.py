@@ -1,6 +1,6 @@
 """Tokens/s of the LSTM language model three ways, side by side in one run on the same text slice and settings:
 
-  local        RNNModel in this one process (all cores), SGD + clip_grad_norm_, the same math as rpc_rnn.py
+  local        LocalRNNModel in this one process (all cores), SGD + clip_grad_norm_, the same math as rpc_rnn.py
   loss-on-ps   rpc_rnn.py: ps (embedding, decoder, loss) + trainer (LSTM), 2 processes
   ship-logits  rpc_rnn.py --ship-logits: the tutorial's path, the ps sends the logits back to the trainer
 
@@ -41,10 +41,10 @@ def local_tokens_per_s(folder, args):
     """The training loop of rpc_rnn.py with every piece in this process; timed like the script times it."""
     torch.manual_seed(args.seed)
     corpus = rpc_rnn.Corpus(folder)
-    model = rpc_rnn.RNNModel(len(corpus.words), args.emsize, args.nhid, 2, 0.2, args.seed)
+    model = rpc_rnn.LocalRNNModel(len(corpus.words), args.emsize, args.nhid, 2, 0.2, args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=20.0)
     data = rpc_rnn.batchify(corpus.train, args.batch_size, "cpu")
-    hidden = model.init_hidden(args.batch_size)
+    hidden = rpc_rnn.init_hidden(model.rnn, args.batch_size)
     model.train()
     tokens, start = 0, time.perf_counter()
     for batch in range(args.batches):

@@ -4,7 +4,7 @@
     python benchmarks/bench_rpc_rnn_recipe.py --data-dir DATA --cuda --at-once
 
 The one-process run is pytorch/examples' word_language_model loop (main.py: train, evaluate, keep the model
-with the best valid loss, divide lr by 4 when it did not improve, test the kept model) on rpc_rnn.RNNModel, the
+with the best valid loss, divide lr by 4 when it did not improve, test the kept model) on rpc_rnn.LocalRNNModel, the
 same LSTM model with the same initial weights and recipe (emsize 200, nhid 200, 2 layers, dropout 0.2, batch 20,
 bptt 35, lr 20, clip 0.25). The distributed run is `rpc_rnn.py --epochs N`. --at-once runs both at the same time
 (their perplexities are unaffected; their times are then not comparable). Prints test perplexity and seconds
@@ -49,7 +49,7 @@ RECIPE = rpc_rnn.Args()  # the script's defaults are the classic recipe
 def one_process(corpus, args, device):
     """word_language_model's training loop; returns (test perplexity, seconds per epoch)."""
     torch.manual_seed(args.seed)
-    model = rpc_rnn.RNNModel(len(corpus.words), RECIPE.emsize, RECIPE.nhid, RECIPE.nlayers, RECIPE.dropout,
+    model = rpc_rnn.LocalRNNModel(len(corpus.words), RECIPE.emsize, RECIPE.nhid, RECIPE.nlayers, RECIPE.dropout,
                              args.seed).to(device)
     train_data = rpc_rnn.batchify(corpus.train, RECIPE.batch_size, device)
     valid_data = rpc_rnn.batchify(corpus.valid, RECIPE.eval_batch_size, device)
@@ -58,7 +58,7 @@ def one_process(corpus, args, device):
     for _ in range(args.epochs):
         start = time.perf_counter()
         model.train()
-        hidden = model.init_hidden(RECIPE.batch_size, device)
+        hidden = rpc_rnn.init_hidden(model.rnn, RECIPE.batch_size, device)
         for i in range(0, train_data.size(0) - 1, RECIPE.bptt):
             input, targets = rpc_rnn.get_batch(train_data, i, RECIPE.bptt)
             hidden = rpc_rnn.detach_hidden(hidden)
