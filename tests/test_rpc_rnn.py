@@ -165,8 +165,6 @@ def test_copied_alone_the_distributed_gradients_are_the_one_process_gradients(te
     assert sorted(path.name for path in tmp_path.iterdir()) == ["common.py", "rpc_rnn.py"]  # wrote nothing
 
 
-@pytest.mark.xfail(strict=True, reason="common.Seed's placeholder SEED repeats the flag --seed, which the rule "
-                                       "forbids: common.py must give Seed another placeholder (N) for this to pass")
 def test_help_follows_the_rules(capsys):
     assert_help_follows_the_rules(rpc_rnn, capsys)
 
