@@ -141,27 +141,25 @@ def tutorial_allreduce(flat, rank, world_size):
         dist.recv(flat, 0)
 
 
-def ring_allreduce(flat, rank, world_size, segments=4):
+def ring_allreduce(flat, rank, world_size):
     """Bandwidth-optimal ring allreduce (the chapter's exercise 3). The buffer is cut into k chunks.
     Reduce-scatter: in k-1 steps every rank passes one chunk to its right neighbour and adds the chunk arriving
     from its left, after which rank r holds the full sum of chunk r+1. All-gather: k-1 more steps pass the
-    summed chunks around the ring. Each rank sends and receives 2(k-1)/k of the buffer, whatever k is. Each
-    chunk travels in a few segments, each exchanged on its own, so that adding one segment overlaps with
-    receiving the next."""
+    summed chunks around the ring. Each rank sends and receives 2(k-1)/k of the buffer, whatever k is, where the
+    tutorial's rank 0 moves 2(k-1) whole buffers."""
     chunks = flat.tensor_split(world_size)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     incoming = torch.empty_like(chunks[0])
     for step in range(world_size - 1):
         send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
-        arriving = incoming[:chunks[receive].numel()].tensor_split(segments)
-        transfers = [exchange(part, right, into, left)
-                     for part, into in zip(chunks[send].tensor_split(segments), arriving)]
-        for requests, total, part in zip(transfers, chunks[receive].tensor_split(segments), arriving):
-            wait_all(requests)
-            total += part
+        arriving = incoming[:chunks[receive].numel()]
+        for request in exchange(chunks[send], right, arriving, left):
+            request.wait()
+        chunks[receive].add_(arriving)
     for step in range(world_size - 1):
         send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
-        wait_all(exchange(chunks[send], right, chunks[receive], left))
+        for request in exchange(chunks[send], right, chunks[receive], left):
+            request.wait()
 
 
 def exchange(outgoing, destination, incoming, source):
@@ -176,11 +174,6 @@ def exchange(outgoing, destination, incoming, source):
     operations = [dist.P2POp(dist.isend, outgoing, destination)] if outgoing.numel() else []
     operations += [dist.P2POp(dist.irecv, incoming, source)] if incoming.numel() else []
     return dist.batch_isend_irecv(operations) if operations else []
-
-
-def wait_all(requests):
-    for request in requests:
-        request.wait()
 
 
 ALLREDUCE = {"tutorial": tutorial_allreduce, "ring": ring_allreduce,
@@ -222,7 +215,6 @@ class Replica:
     def sum_gradients(self):
         self.allreduce(self.flat_grads, self.rank, self.world_size)
 
-    @torch.no_grad()
     def update(self, lr):  # the tutorial's d2l.sgd (the loss is already divided by the batch size)
         self.flat_params.sub_(self.flat_grads, alpha=lr)
         self.flat_grads.zero_()
@@ -320,8 +312,7 @@ class GraphedSteps:
     """
 
     def __init__(self, step, model):
-        self.step, self.model = step, model
-        self.graphs = {}  # (shard size, batch size) -> (index buffer, graph, its output)
+        self.step, self.model, self.graphs = step, model, {}  # graphs[shard size, batch size]: index, graph, output
 
     def __call__(self, index, batch_size):
         key = (len(index), batch_size)
@@ -438,9 +429,8 @@ def run_worker(info, args, data, saved):
     # needs the file, also across machines. Else the same seed on every rank: identical starting copies.
     state = [saved]
     dist.broadcast_object_list(state, src=0)
-    history = state[0]["history"] if state[0] else []
-    model = Replica((state[0]["params"] if state[0] else init_params(args.seed)).to(device), args.allreduce, rank,
-                    world_size)
+    start = state[0] or {"params": init_params(args.seed), "history": []}
+    history, model = start["history"], Replica(start["params"].to(device), args.allreduce, rank, world_size)
     step = lambda index, batch_size: shard_step(model, images, labels, index, batch_size)
     if device.type == "cuda" and args.cuda_graphs and args.allreduce != "ddp":
         step = GraphedSteps(step, model)
