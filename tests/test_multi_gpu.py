@@ -55,7 +55,7 @@ def data_flags():
     return {"data_dir": data_folder()}
 
 
-def multi_gpu_run(*recipes, timeout=180, env=None, **overrides):
+def multi_gpu_run(*recipes, timeout=300, env=None, **overrides):
     """Run multi_gpu.py with the flags of the recipes and overrides (data folder included)."""
     return run_script("multi_gpu.py", *flags(data_flags(), *recipes, **overrides), timeout=timeout, env=env)
 
