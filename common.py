@@ -386,8 +386,9 @@ def launch(worker, world_size, *args, timeout=60.0):
         except RuntimeError as error:  # gloo's, TensorPipe's and NCCL's errors when a peer is gone
             if not (isinstance(error, dist.DistError) or any(sign in str(error) for sign in ("peer", "tensorpipe"))):
                 raise
-            sys.exit(f"process {info.rank} lost a peer ({str(error).strip().splitlines()[0][:200]}); torchrun "
-                     f"restarts the group if --max-restarts allows, else ends the run")
+            reason = str(error).strip().splitlines()[0].split(". ")[0]  # gloo's names the peer's address
+            sys.exit(f"process {info.rank} lost a peer ({reason}); torchrun restarts the group if --max-restarts "
+                     f"allows, else ends the run")
         leave_at_once()
     names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
     for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # else the host's address
