@@ -155,15 +155,14 @@ def _fields_in_source(args_cls):
     """{field: its docstring} and {first field of a group: the group's title}: the string under each field, and
     the comment lines of the class body, each of which starts a group of flags in --help."""
     source = inspect.getsource(args_cls)
-    body, lines = ast.parse(source).body[0].body, source.splitlines()
-    docs = {node.target.id: " ".join(following.value.value.split()) for node, following in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)}
-    groups, start = {}, 0
-    for node in (node for node in body if isinstance(node, ast.AnnAssign)):
-        comments = [line.strip(" #") for line in lines[start:node.lineno - 1] if line.strip().startswith("#")]
-        groups.update({node.target.id: comments[-1]} if comments else {})
-        start = node.lineno
+    body, lines, docs, groups, start = ast.parse(source).body[0].body, source.splitlines(), {}, {}, 0
+    for node, following in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign):
+            comments = [line.strip(" #") for line in lines[start:node.lineno - 1] if line.strip().startswith("#")]
+            groups.update({node.target.id: comments[-1]} if comments else {})
+            if isinstance(following, ast.Expr) and isinstance(getattr(following.value, "value", None), str):
+                docs[node.target.id] = " ".join(following.value.value.split())
+            start = node.lineno
     return docs, groups
 
 
@@ -293,8 +292,7 @@ def die_with_parent(parent_pid):
     the child is killed too instead of living on as an orphan (Linux; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
         import ctypes
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
         raise SystemExit("the process that started this one is gone")
 
