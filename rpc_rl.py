@@ -7,15 +7,15 @@ at once (`rpc_async`), handing over its own RRef; an observer asks the agent for
 (`rpc_sync`), and once every episode has ended the agent makes one REINFORCE update from all of them. The
 tutorial's code comes first, and `--tutorial` runs it alone. What runs by default builds on it below the banners:
 one RPC per step instead of two, one forward for all observers of a step, computed in numpy, several environments
-per observer, the returns of time-limited episodes bootstrapped, checkpoints that resume exactly, a saved policy,
-its greedy evaluation and a learning curve.
+per observer, the returns of time-limited episodes bootstrapped, checkpoints that resume exactly, a saved policy
+and its greedy evaluation.
 
 Commands:
     python rpc_rl.py                                  # agent + 1 observer on this machine, until solved
     python rpc_rl.py --tutorial                       # the tutorial's code alone
     python rpc_rl.py --world-size 5                   # agent + 4 observers
     python rpc_rl.py --envs-per-observer 16           # agent + 1 observer stepping 16 environments
-    python rpc_rl.py --max-episodes 50 --save policy.pt --eval-episodes 5 --plot curve.png
+    python rpc_rl.py --max-episodes 50 --save policy.pt --eval-episodes 5
     python rpc_rl.py --load policy.pt --max-episodes 0 --eval-episodes 10    # greedy evaluation only
     python rpc_rl.py --checkpoint-dir ckpt --resume   # the same command again continues where it stopped
     torchrun --standalone --nproc-per-node 3 rpc_rl.py
@@ -48,7 +48,7 @@ from torch.distributed.rpc import RRef, remote
 from torch.distributions import Categorical
 
 import common
-from common import FigureFile, InFile, NonNegative, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
+from common import InFile, NonNegative, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
 
 AGENT_NAME = "agent"
 OBSERVER_NAME = "observer{}"
@@ -85,8 +85,6 @@ class Args:
     """write the trained policy to this file; not given: not saved"""
     load: Optional[InFile] = None
     """start from the policy in this file (written by --save, or a checkpoint); not given: a new policy"""
-    plot: Optional[FigureFile] = None
-    """draw the learning curve into this .png, .pdf or .svg file; not given: no figure"""
     checkpoint_dir: Optional[OutDir] = None
     """write a checkpoint (rpc_rl.pt) into this folder every --checkpoint-interval episodes and at the end; not
     given: no checkpoints"""
@@ -128,10 +126,9 @@ def validate(args):
     args.truncation = args.truncation or ("terminal" if args.tutorial else "bootstrap")
     check(args.gamma < 1 or args.gamma == 1 and args.truncation == "terminal", f"--gamma {args.gamma}: pass a "
           f"discount factor below 1, or 1 with --truncation terminal (a bootstrapped return would be infinite)")
-    beyond = (args.envs_per_observer, args.truncation, args.eval_episodes, args.save, args.plot, args.checkpoint_dir)
-    check(not args.tutorial or beyond == (1, "terminal", 0, None, None, None), "--tutorial runs the tutorial's code "
-          "alone: leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save, --plot and "
-          "--checkpoint-dir")
+    beyond = (args.envs_per_observer, args.truncation, args.eval_episodes, args.save, args.checkpoint_dir)
+    check(not args.tutorial or beyond == (1, "terminal", 0, None, None), "--tutorial runs the tutorial's code alone: "
+          "leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save and --checkpoint-dir")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     if (common.torchrun_env() or {"RANK": 0})["RANK"] != 0:
         return None
@@ -191,9 +188,8 @@ class Observer:
 
 class Agent:
     """Lives in the agent process (rank 0): the policy and its optimizer, the observers' RRefs, per observer the
-    log-probabilities of its actions and its rewards in the episode being played, and the run's records (every
-    episode's rewards and the running reward after it). saved: a policy to start from (--load); observer: the
-    class of the observers it creates."""
+    log-probabilities of its actions and its rewards in the episode being played, and every episode's rewards.
+    saved: a policy to start from (--load); observer: the class of the observers it creates."""
 
     def __init__(self, world_size, args, saved=None, observer=Observer):
         self.ob_rrefs = []
@@ -209,7 +205,7 @@ class Agent:
         self.args = args
         self.running_reward = 0
         self.reward_threshold = gym.spec(ENV_ID).reward_threshold
-        self.episode_rewards, self.running_rewards = [], []
+        self.episode_rewards = []
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             self.ob_rrefs.append(remote(ob_info, observer, args=(args,)))
@@ -247,7 +243,6 @@ class Agent:
         # use the minimum observer reward to calculate the running reward
         self.episode_rewards.append([sum(rewards) for rewards in self.rewards.values()])
         min_reward = self.update_running_reward(self.episode_rewards[-1])
-        self.running_rewards.append(self.running_reward)
         # clear saved probs and rewards
         for ob_id in self.rewards:
             self.rewards[ob_id] = []
@@ -453,14 +448,14 @@ def numpy_probs(parameters, states, masks=1.0):
     return exp / exp.sum(axis=1, keepdims=True)
 
 
-# --- Beyond the tutorial: checkpoints that resume exactly, --save, greedy evaluation, --plot, the result line ---
+# --- Beyond the tutorial: checkpoints that resume exactly, --save, greedy evaluation, the result line ---
 
-PROGRESS = ("running_reward", "episode_rewards", "running_rewards")
+PROGRESS = ("running_reward", "episode_rewards")
 
 
 class CheckpointedAgent(BatchAgent):
     """Lives in the agent process: the BatchAgent of a whole run of this script. It continues from a checkpoint
-    (--resume), writes checkpoints, and ends with --save, the greedy evaluation, --plot and the result line."""
+    (--resume), writes checkpoints, and ends with --save, the greedy evaluation and the result line."""
 
     def __init__(self, world_size, args, saved=None):
         super().__init__(world_size, args, saved)
@@ -507,27 +502,13 @@ class CheckpointedAgent(BatchAgent):
         return eval_rewards
 
     def report(self, solved, wall_time, steps):
-        """--save, the greedy evaluation and --plot, then the result line with this script's figures."""
+        """--save and the greedy evaluation, then the result line with this script's figures."""
         if self.args.save:
             common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()}, "--save")
         eval_rewards = self.evaluate(self.args.eval_episodes)
-        if self.args.plot:
-            plot_learning_curve(self, self.args.plot)
         super().report(solved, wall_time, steps, envs_per_observer=self.args.envs_per_observer,
                        truncation=self.args.truncation, eval_rewards=eval_rewards,
                        resumed_after_episodes=self.resumed_after)
-
-
-def plot_learning_curve(agent, path):
-    from matplotlib.figure import Figure  # without pyplot: no display needed
-    figure = Figure(figsize=(7, 4))
-    axes, episodes = figure.subplots(), range(1, len(agent.episode_rewards) + 1)
-    axes.plot(episodes, [min(rewards) for rewards in agent.episode_rewards], alpha=0.4, label="smallest episode reward")
-    axes.plot(episodes, agent.running_rewards, label="running reward")
-    axes.axhline(agent.reward_threshold, color="gray", linestyle="--", label=f"solved ({agent.reward_threshold:g})")
-    axes.set(xlabel="episode", ylabel="reward")
-    axes.legend(loc="upper left")
-    common.save_figure(figure, path, "--plot")
 
 
 # --- main: the flags, then the processes ---

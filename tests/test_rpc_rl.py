@@ -75,9 +75,8 @@ def by_episode(result):
 def test_two_observers_give_the_same_episodes_from_the_same_seed(tmp_path, envs):
     """Two observers with `envs` environments each, the same command twice at once (which also shows that runs at
     once do not collide): the batches of every step are formed in observer order, so a seed gives one run."""
-    plot = tmp_path / "curve.png"
     flags = ("--world-size", 3, "--max-episodes", 4, "--seed", 3, "--envs-per-observer", envs, "--eval-episodes", 2)
-    first, second = start_rpc_rl(*flags, "--plot", plot), start_rpc_rl(*flags)
+    first, second = start_rpc_rl(*flags), start_rpc_rl(*flags)
     result, again = finish(first), finish(second)
     assert result["episode_rewards"] == again["episode_rewards"] and result["eval_rewards"] == again["eval_rewards"]
     assert result["episodes"] == 4 and result["observers"] == 2 and result["envs_per_observer"] == envs
@@ -87,7 +86,6 @@ def test_two_observers_give_the_same_episodes_from_the_same_seed(tmp_path, envs)
     # CartPole pays 1 per step, so the rewards count the env steps the observers reported
     assert result["env_steps"] == sum(map(sum, result["episode_rewards"]))
     assert len(result["eval_rewards"]) == 2
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 class RecordingAgent:
@@ -239,7 +237,7 @@ def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutor
         made.policy = copy.deepcopy(policy)
         made.optimizer = torch.optim.SGD(made.policy.parameters(), lr=1.0)  # the step is the gradient
         vars(made).update(eps=np.finfo(np.float32).eps.item(), running_reward=0, episode_rewards=[],
-                          running_rewards=[], rewards=copy.deepcopy(rewards),
+                          rewards=copy.deepcopy(rewards),
                           args=types.SimpleNamespace(gamma=0.99, truncation="terminal", envs_per_observer=2), **fields)
         return made
 
@@ -264,7 +262,7 @@ def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutor
         torch.testing.assert_close(parameter, expected, rtol=1e-5, atol=1e-6)
     assert not torch.equal(tutorial.policy.affine1.weight, policy.affine1.weight)  # one step was made
     # K = 2 environments: two rounds enter the running reward, as two episodes of the tutorial would
-    assert batched.running_rewards == [pytest.approx(0.05 * 20 + 0.95 * 0.05 * 10)]
+    assert batched.running_reward == pytest.approx(0.05 * 20 + 0.95 * 0.05 * 10)
 
 
 def test_returns_end_at_a_failure_and_go_on_past_the_time_limit():
@@ -411,7 +409,7 @@ def test_the_help_is_grouped_and_names_only_what_a_copy_of_the_script_has(capsys
         assert f"\n{group}\n" in text, group
     assert "(default: None)" not in text and max(map(len, text.splitlines())) <= common.HELP_WIDTH
     placeholders = dict(re.findall(r"^  (--[a-z-]+) ([A-Z]+)\b", text, flags=re.M))
-    assert placeholders["--save"] == placeholders["--load"] == placeholders["--plot"] == "FILE"
+    assert placeholders["--save"] == placeholders["--load"] == "FILE"
     assert placeholders["--checkpoint-dir"] == "DIR" and placeholders["--rpc-timeout"] == "SECONDS"
     assert placeholders["--seed"] == "N"
     for elsewhere in ("benchmarks", "README", "docs/", "tests/", "shared/", "bench_", "see ", "multiple of K"):
@@ -510,15 +508,15 @@ BAD_INVOCATIONS = [
     ("--truncation never", "argument --truncation: invalid choice: 'never'"),
     # flags that do not fit together
     ("--tutorial --envs-per-observer 4", "--tutorial runs the tutorial's code alone: leave out --envs-per-observer, "
-     "--truncation bootstrap, --eval-episodes, --save, --plot and --checkpoint-dir"),  # new
+     "--truncation bootstrap, --eval-episodes, --save and --checkpoint-dir"),  # new
     ("--tutorial --truncation bootstrap", "--tutorial runs the tutorial's code alone: leave out"),  # new
-    ("--tutorial --eval-episodes 2 --plot {tmp}/c.png", "--tutorial runs the tutorial's code alone: leave out"),  # new
+    ("--tutorial --eval-episodes 2 --save {tmp}/p.pt", "--tutorial runs the tutorial's code alone: leave out"),  # new
     ("--tutorial --checkpoint-dir {tmp}/ck --resume", "--tutorial runs the tutorial's code alone: leave out"),  # new
     ("--resume", "--resume needs --checkpoint-dir"),
     # empty values: never "not given"
     ("--checkpoint-dir=", "--checkpoint-dir '': an empty value"),  # new
     ("--load=", "--load '': an empty value"),  # new
-    ("--plot=", "--plot '': an empty value"),  # new
+    ("--save=", "--save '': an empty value"),  # new
     # paths the file system refuses, outputs that are not regular files, formats this script does not write
     ("--load {tmp}/missing.pt", "--load {tmp}/missing.pt: no such file"),
     ("--load {tmp}/folder", "--load {tmp}/folder: not a regular file; pass a file"),
@@ -530,9 +528,7 @@ BAD_INVOCATIONS = [
     ("--save {tmp}/fifo", "--save {tmp}/fifo: not a regular file"),  # new
     ("--save {tmp}/missing/policy.pt", "folder {tmp}/missing does not exist"),
     ("--save {tmp}/" + "p" * 300 + ".pt", "File name too long"),  # new
-    ("--plot {tmp}/good.pt/curve.png", "--plot {tmp}/good.pt/curve.png: Not a directory; pass another path"),
-    ("--plot {tmp}/curve.txt", "--plot {tmp}/curve.txt: name a .png, .pdf or .svg file"),  # new
-    ("--plot {tmp}/curve", "--plot {tmp}/curve: name a .png, .pdf or .svg file"),  # new
+    ("--save {tmp}/good.pt/policy.pt", "--save {tmp}/good.pt/policy.pt: Not a directory; pass another path"),
     ("--checkpoint-dir {tmp}/good.pt", "{tmp}/good.pt is not a folder; pass a folder"),
     ("--checkpoint-dir /dev/null", "--checkpoint-dir /dev/null: /dev/null is not a folder"),  # new
     ("--checkpoint-dir {tmp}/" + "c" * 300, "File name too long"),  # new
@@ -590,8 +586,9 @@ def test_bad_input_is_one_line_exit_2_before_any_work_and_nothing_is_written(arg
 
 def test_the_command_line_refuses_bad_input_in_one_line_before_starting_anything(tmp_path):
     """The same through `python rpc_rl.py` itself (its entry point): exit 2, one line, no process started."""
-    proc = run_script("rpc_rl.py", "--plot", tmp_path / "curve.txt", "--save", tmp_path / "policy.pt", timeout=60)
-    assert_usage_error(proc, f"rpc_rl.py: error: --plot {tmp_path}/curve.txt: name a .png, .pdf or .svg file")
+    proc = run_script("rpc_rl.py", "--save", tmp_path / "missing" / "policy.pt", timeout=60)
+    assert_usage_error(proc, f"rpc_rl.py: error: --save {tmp_path}/missing/policy.pt: folder {tmp_path}/missing does not "
+                             f"exist")
     assert list(tmp_path.iterdir()) == [] and proc.stdout == ""
 
 
