@@ -587,8 +587,8 @@ def test_bad_input_is_one_line_exit_2_before_any_work_and_nothing_is_written(arg
 def test_the_command_line_refuses_bad_input_in_one_line_before_starting_anything(tmp_path):
     """The same through `python rpc_rl.py` itself (its entry point): exit 2, one line, no process started."""
     proc = run_script("rpc_rl.py", "--save", tmp_path / "missing" / "policy.pt", timeout=60)
-    assert_usage_error(proc, f"rpc_rl.py: error: --save {tmp_path}/missing/policy.pt: folder {tmp_path}/missing does not "
-                             f"exist")
+    assert_usage_error(proc, f"rpc_rl.py: error: --save {tmp_path}/missing/policy.pt: folder {tmp_path}/missing "
+                             f"does not exist")
     assert list(tmp_path.iterdir()) == [] and proc.stdout == ""
 
 
