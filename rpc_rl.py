@@ -30,7 +30,6 @@ training), the line that says it solved CartPole, then the result as one JSON li
     {"script": "rpc_rl", "solved": true, "episodes": E, "env_steps": N, "wall_time_s": T, "steps_per_s": S, ...}
 """
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -102,23 +101,8 @@ class Args:
     """start more than 4 processes per CPU"""
 
 
-CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "progress", "rng")
-
-
-def checkpoint_path(args):
-    return Path(args.checkpoint_dir) / "rpc_rl.pt"
-
-
-def recipe(args, world_size):
-    """What a resumed run must share with the run that wrote the checkpoint."""
-    return {"observers": world_size - 1, "envs_per_observer": args.envs_per_observer, "seed": args.seed,
-            "gamma": args.gamma, "lr": args.lr, "truncation": args.truncation}
-
-
 def validate(args):
-    """The rules that involve several flags or the machine (each flag's own rule is checked as it is parsed).
-    Returns what --resume or --load starts from, read once and checked to fit the policy, in the agent's process
-    (rank 0), which alone reads and writes files; else None."""
+    """The rules that involve several flags or the machine (each flag's own rule is checked as it is parsed)."""
     processes = common.process_count(args.world_size)
     common.check_processes("--world-size", processes, args.oversubscribe)
     check(processes >= 2, f"world size {processes}: need at least 2 processes (one agent, one observer)")
@@ -130,21 +114,6 @@ def validate(args):
     check(not args.tutorial or beyond == (1, "terminal", 0, None, None), "--tutorial runs the tutorial's code alone: "
           "leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save and --checkpoint-dir")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
-    if (common.torchrun_env() or {"RANK": 0})["RANK"] != 0:
-        return None
-    if args.checkpoint_dir and checkpoint_path(args).exists():
-        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
-        if args.resume:
-            saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
-            check(saved["recipe"] == recipe(args, processes), f"--resume: {path} was written with {saved['recipe']}, "
-                  f"not {recipe(args, processes)}; pass the same flags or another --checkpoint-dir")
-            policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
-            common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
-            return saved
-    if args.load:
-        saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
-        return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
-    return None
 
 
 class Policy(nn.Module):
@@ -313,9 +282,8 @@ def run_worker(info, args, agent_class, saved):
         try:
             agent = agent_class(info.world_size, args, saved)
             agent.report(*run_agent(agent, args))
-        except common.RunFailed:  # its one line comes from common.launch; the observers end with the agent, as usual
-            with contextlib.suppress(Exception):
-                rpc.shutdown()
+        except common.RunFailed:  # said in one line by common.launch; the observers end with the agent, as usual,
+            rpc.shutdown()  # without logging a lost connection
             raise
     else:
         common.init_rpc(info, OBSERVER_NAME.format(info.rank), timeout_s=args.rpc_timeout)
@@ -450,7 +418,37 @@ def numpy_probs(parameters, states, masks=1.0):
 
 # --- Beyond the tutorial: checkpoints that resume exactly, --save, greedy evaluation, the result line ---
 
-PROGRESS = ("running_reward", "episode_rewards")
+CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "episode_rewards", "running_reward", "rng")
+
+
+def checkpoint_path(args):
+    return Path(args.checkpoint_dir) / "rpc_rl.pt"
+
+
+def recipe(args):
+    """What a resumed run must share with the run that wrote the checkpoint."""
+    return {"observers": common.process_count(args.world_size) - 1, "envs_per_observer": args.envs_per_observer,
+            "seed": args.seed, "gamma": args.gamma, "lr": args.lr, "truncation": args.truncation}
+
+
+def read_checkpoint(args):
+    """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one, else the policy
+    of --load, else None (a new policy). Read once, before any process starts, and checked to fit the policy; only
+    in the agent's process (rank 0), which alone reads and writes files."""
+    if (common.torchrun_env() or {"RANK": 0})["RANK"] != 0:
+        return None
+    if args.checkpoint_dir and checkpoint_path(args).exists():
+        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
+        if args.resume:
+            saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
+            check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
+                  f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
+            policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
+            common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
+            return saved
+    if args.load:
+        saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
+        return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
 
 
 class CheckpointedAgent(BatchAgent):
@@ -459,30 +457,26 @@ class CheckpointedAgent(BatchAgent):
 
     def __init__(self, world_size, args, saved=None):
         super().__init__(world_size, args, saved)
-        if saved and "optimizer" in saved:  # a checkpoint, checked by validate
+        if saved and "optimizer" in saved:  # a checkpoint, checked by read_checkpoint
             self.optimizer.load_state_dict(saved["optimizer"])
-            vars(self).update(saved["progress"])
+            self.episode_rewards, self.running_reward = saved["episode_rewards"], saved["running_reward"]
             self.rng.bit_generator.state = saved["rng"]
             print(f"resuming after episode {len(self.episode_rewards)} from {checkpoint_path(args)}", flush=True)
-        self.resumed_after = len(self.episode_rewards)
 
     def finish_episode(self):
-        """The update, then a checkpoint every --checkpoint-interval episodes, once solved and at --max-episodes."""
+        """The update, then a checkpoint every --checkpoint-interval episodes, once solved and at --max-episodes: all
+        the run needs to continue as if it had not stopped (the policy, Adam's state, the records, and the agent's
+        generator, the only random state still to be used: every episode starts from seeds it draws). Written
+        atomically: a failed write keeps the previous checkpoint and ends the run in one line."""
         min_reward = super().finish_episode()
         episode, args = len(self.episode_rewards), self.args
         if args.checkpoint_dir and (episode % args.checkpoint_interval == 0 or episode >= args.max_episodes
                                     or self.running_reward > self.reward_threshold):
-            self.write_checkpoint()
+            common.save_checkpoint(checkpoint_path(args), "rpc_rl", {
+                "recipe": recipe(args), "policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "episode_rewards": self.episode_rewards, "running_reward": self.running_reward,
+                "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
         return min_reward
-
-    def write_checkpoint(self):
-        """Everything the run needs to continue as if it had not stopped: the policy, Adam's state, the records and
-        counts, and the agent's generator, the only random state still to be used (every episode starts from seeds
-        it draws). Written atomically: a failed write keeps the previous checkpoint and ends the run in one line."""
-        common.save_checkpoint(checkpoint_path(self.args), "rpc_rl", {
-            "recipe": recipe(self.args, len(self.ob_rrefs) + 1), "policy": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(), "progress": {name: getattr(self, name) for name in PROGRESS},
-            "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
 
     def evaluate(self, episodes):
         """Greedy episodes (the most probable action, no dropout) on an environment of the agent's own, seeded with
@@ -502,22 +496,20 @@ class CheckpointedAgent(BatchAgent):
         return eval_rewards
 
     def report(self, solved, wall_time, steps):
-        """--save and the greedy evaluation, then the result line with this script's figures."""
+        """--save and the greedy evaluation, then the result line."""
         if self.args.save:
             common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()}, "--save")
-        eval_rewards = self.evaluate(self.args.eval_episodes)
-        super().report(solved, wall_time, steps, envs_per_observer=self.args.envs_per_observer,
-                       truncation=self.args.truncation, eval_rewards=eval_rewards,
-                       resumed_after_episodes=self.resumed_after)
+        super().report(solved, wall_time, steps, eval_rewards=self.evaluate(self.args.eval_episodes))
 
 
 # --- main: the flags, then the processes ---
 
 def main(argv=None):
-    """Check the flags, then start the processes: the agent is the tutorial's with --tutorial, else the
-    CheckpointedAgent that builds on it."""
+    """Check the flags and read what the agent starts from, then start the processes: the agent is the tutorial's
+    with --tutorial, else the CheckpointedAgent that builds on it."""
     args = common.parse_args(Args, argv)
-    saved = validate(args)
+    validate(args)
+    saved = read_checkpoint(args)
     agent_class = Agent if args.tutorial else CheckpointedAgent
     common.launch(run_worker, common.process_count(args.world_size), args, agent_class, saved, timeout=args.rpc_timeout)
 
