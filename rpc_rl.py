@@ -328,16 +328,15 @@ class BatchAgent(Agent):
     def __init__(self, world_size, args, saved=None):
         super().__init__(world_size, args, saved, BatchObserver)
         self.rewards = {(ob_id, index): [] for ob_id in self.rewards for index in range(args.envs_per_observer)}
-        self.saved_log_probs = {env: [] for env in self.rewards}
         self.rows = {env: row for row, env in enumerate(self.rewards)}  # an environment's number in the trajectory
-        self.trajectory = []  # per step: the numbers of the environments playing, their states, masks and actions
         self.rng = np.random.default_rng(args.seed)  # every random number drawn after the initial policy
         self.parameters = [parameter.detach().numpy() for parameter in self.policy.parameters()]  # views
-        self.lock, self.waiting, self.playing = threading.Lock(), {}, set()  # requests to answer; observers playing
+        self.lock, self.waiting = threading.Lock(), {}  # the requests of this step so far
 
     def run_episode(self):
-        """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent."""
-        self.playing = {ob_id for ob_id, _ in self.rewards}
+        """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent. Starts the
+        episode's trajectory: per step, the numbers of the environments playing, their states, masks and actions."""
+        self.playing, self.trajectory = {ob_id for ob_id, _ in self.rewards}, []  # observers still playing
         seeds = self.rng.integers(2**32, size=(len(self.ob_rrefs), self.args.envs_per_observer)).tolist()
         futs = [ob_rref.rpc_async().run_episode(self.agent_rref, ob_seeds)
                 for ob_rref, ob_seeds in zip(self.ob_rrefs, seeds)]
@@ -347,18 +346,17 @@ class BatchAgent(Agent):
     def select_action(self, ob_id, states, rewards):
         """An observer's request of a step: {environment index: state} of its environments still playing (none once
         all have ended) and {index: reward} of their previous actions. Returns a future of the actions, answered
-        once every observer still playing has asked. Requests arrive on several RPC threads: hence the lock."""
+        once every observer still playing has asked. Requests arrive on several RPC threads: hence the lock (no
+        request waits for it while act runs: every observer still playing waits for its answer)."""
         actions = torch.futures.Future()
         with self.lock:
             for index, reward in rewards.items():
                 self.rewards[ob_id, index].append(reward)
             self.waiting[ob_id] = (states, actions)
-            ready = self.waiting.keys() >= self.playing
-            if ready:
+            if self.waiting.keys() >= self.playing:
                 requests, self.waiting = sorted(self.waiting.items()), {}
                 self.playing = {ob_id for ob_id, (ob_states, _) in requests if ob_states}
-        if ready:
-            self.act(requests)
+                self.act(requests)
         return actions
 
     def act(self, requests):
@@ -366,14 +364,14 @@ class BatchAgent(Agent):
         in observer order: the same batches, hence the same random numbers, on every run. In numpy, because for a
         few rows torch's fixed cost per operator call is many times the arithmetic. The futures are answered last:
         only then can the next step's requests arrive."""
-        envs = [(ob_id, index) for ob_id, (ob_states, _) in requests for index in ob_states]
+        rows = np.array([self.rows[ob_id, index] for ob_id, (ob_states, _) in requests for index in ob_states], int)
         states = np.array([state for _, (ob_states, _) in requests for state in ob_states.values()], np.float32)
-        states = states.reshape(len(envs), 4)  # 4 numbers, also when no environment is left
+        states = states.reshape(len(rows), 4)  # 4 numbers, also when no environment is left
         keep = 1 - self.policy.dropout.p  # inverted dropout, as nn.Dropout
-        masks = (self.rng.random((len(envs), self.policy.affine1.out_features)) < keep) / np.float32(keep)
+        masks = (self.rng.random((len(rows), self.policy.affine1.out_features)) < keep) / np.float32(keep)
         probs = numpy_probs(self.parameters, states, masks)
-        actions = (self.rng.random(len(envs)) >= probs[:, 0]).astype(np.int64)  # action 1 with probability probs[:, 1]
-        self.trajectory.append((np.array([self.rows[env] for env in envs], int), states, masks, actions))
+        actions = (self.rng.random(len(rows)) >= probs[:, 0]).astype(np.int64)  # action 1 with probability probs[:, 1]
+        self.trajectory.append((rows, states, masks, actions))
         answers = iter(actions.tolist())
         for _, (ob_states, future) in requests:
             future.set_result([next(answers) for _ in ob_states])
@@ -384,9 +382,7 @@ class BatchAgent(Agent):
         rows, states, masks, actions = (torch.from_numpy(np.concatenate(column)) for column in zip(*self.trajectory))
         probs = F.softmax(self.policy.affine2(F.relu(self.policy.affine1(states) * masks)), dim=1)
         log_probs = Categorical(probs).log_prob(actions)
-        for env, row in self.rows.items():
-            self.saved_log_probs[env] = [log_probs[rows == row]]  # in the order of its steps
-        self.trajectory = []
+        self.saved_log_probs = {env: [log_probs[rows == row]] for env, row in self.rows.items()}  # in step order
         return super().finish_episode()
 
     def discounted_returns(self, env, R=0.0):
