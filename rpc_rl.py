@@ -243,14 +243,13 @@ class Agent:
     def report(self, solved, wall_time, steps, **figures):
         """The run's last line, one JSON object: times cover this process's training loop, counts the whole run."""
         common.emit_result("rpc_rl", solved=solved, episodes=len(self.episode_rewards), env_steps=env_steps(self),
-                           wall_time_s=round(wall_time, 3), steps_per_s=round(steps / max(wall_time, 1e-9), 1),
-                           observers=len(self.ob_rrefs), running_reward=round(self.running_reward, 3), **figures,
-                           episode_rewards=self.episode_rewards)
+                           wall_time_s=round(wall_time, 3), steps_per_s=round(steps / wall_time, 1), **figures,
+                           running_reward=round(self.running_reward, 3), episode_rewards=self.episode_rewards)
 
 
 def run_agent(agent, args):
     """The agent's loop: an episode on every observer, an update, a log line every --log-interval episodes, until
-    the running reward passes the threshold or --max-episodes. Returns (solved, training time, env steps)."""
+    the running reward passes the threshold or --max-episodes; then the result line."""
     start, first = time.perf_counter(), len(agent.episode_rewards)  # a resumed run starts after `first` episodes
     solved = agent.running_reward > agent.reward_threshold
     while not solved and len(agent.episode_rewards) < args.max_episodes:
@@ -263,7 +262,7 @@ def run_agent(agent, args):
         if solved:
             print(f"solved: running reward {agent.running_reward:.1f} > {agent.reward_threshold:g} after {i_episode} "
                   f"episodes", flush=True)
-    return solved, time.perf_counter() - start, env_steps(agent, first)
+    agent.report(solved, time.perf_counter() - start, env_steps(agent, first))
 
 
 def env_steps(agent, first=0):
@@ -280,8 +279,7 @@ def run_worker(info, args, agent_class, saved):
     if info.rank == 0:
         common.init_rpc(info, AGENT_NAME, timeout_s=args.rpc_timeout)
         try:
-            agent = agent_class(info.world_size, args, saved)
-            agent.report(*run_agent(agent, args))
+            run_agent(agent_class(info.world_size, args, saved), args)
         except common.RunFailed:  # said in one line by common.launch; the observers end with the agent, as usual,
             rpc.shutdown()  # without logging a lost connection
             raise
@@ -429,19 +427,15 @@ def recipe(args):
 
 def read_checkpoint(args):
     """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one, else the policy
-    of --load, else None (a new policy). Read once, before any process starts, and checked to fit the policy; only
-    in the agent's process (rank 0), which alone reads and writes files."""
-    if (common.torchrun_env() or {"RANK": 0})["RANK"] != 0:
-        return None
-    if args.checkpoint_dir and checkpoint_path(args).exists():
+    of --load, else None (a new policy). Read once, before any process starts, and checked to fit the policy."""
+    if args.resume and checkpoint_path(args).exists():
         path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
-        if args.resume:
-            saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
-            check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
-                  f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
-            policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
-            common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
-            return saved
+        saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
+        check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
+              f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
+        policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
+        common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
+        return saved
     if args.load:
         saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
         return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
@@ -476,17 +470,15 @@ class CheckpointedAgent(BatchAgent):
 
     def evaluate(self, episodes):
         """Greedy episodes (the most probable action, no dropout) on an environment of the agent's own, seeded with
-        --seed, as no observer's is. Returns their rewards."""
-        env, eval_rewards = gym.make(ENV_ID), []
+        --seed, as no observer's is. Returns their rewards (gymnasium's RecordEpisodeStatistics sums them)."""
+        env = gym.wrappers.RecordEpisodeStatistics(gym.make(ENV_ID), buffer_length=episodes)
         for episode in range(episodes):
             state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
-            eval_rewards.append(0.0)
             for _ in range(env.spec.max_episode_steps):
-                action = int(numpy_probs(self.parameters, state[None]).argmax())
-                state, reward, terminated, truncated, _ = env.step(action)
-                eval_rewards[-1] += reward
+                state, _, terminated, truncated, _ = env.step(int(numpy_probs(self.parameters, state[None]).argmax()))
                 if terminated or truncated:
                     break
+        eval_rewards = [float(reward) for reward in env.return_queue]
         if eval_rewards:
             print(f"greedy evaluation: mean reward {np.mean(eval_rewards):.1f} over {episodes} episodes", flush=True)
         return eval_rewards
@@ -501,11 +493,12 @@ class CheckpointedAgent(BatchAgent):
 # --- main: the flags, then the processes ---
 
 def main(argv=None):
-    """Check the flags and read what the agent starts from, then start the processes: the agent is the tutorial's
-    with --tutorial, else the CheckpointedAgent that builds on it."""
+    """Check the flags and read what the agent starts from (in the agent's process, rank 0, which alone reads and
+    writes files), then start the processes: the agent is the tutorial's with --tutorial, else the
+    CheckpointedAgent that builds on it."""
     args = common.parse_args(Args, argv)
     validate(args)
-    saved = read_checkpoint(args)
+    saved = read_checkpoint(args) if (common.torchrun_env() or {"RANK": 0})["RANK"] == 0 else None
     agent_class = Agent if args.tutorial else CheckpointedAgent
     common.launch(run_worker, common.process_count(args.world_size), args, agent_class, saved, timeout=args.rpc_timeout)
 
