@@ -289,7 +289,8 @@ def run_worker(info, args, agent_class, saved):
     rpc.shutdown()
 
 
-# --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers, in numpy ---
+# --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers, in numpy;
+# checkpoints that resume exactly, --save, greedy evaluation, the result line ---
 
 class BatchObserver(Observer):
     """Lives in an observer process: K CartPole environments (--envs-per-observer), played together."""
@@ -321,7 +322,9 @@ class BatchObserver(Observer):
 class BatchAgent(Agent):
     """Lives in the agent process: the tutorial's Agent, answering every observer of a step with one forward, in
     numpy, from the agent's own generator; the update computes the log-probabilities again, in torch. Rewards,
-    log-probabilities and trajectories are kept per environment: (observer id, environment index)."""
+    log-probabilities and trajectories are kept per environment: (observer id, environment index). It continues
+    from a checkpoint (--resume), writes checkpoints, and ends with --save, the greedy evaluation and the result
+    line."""
 
     def __init__(self, world_size, args, saved=None):
         super().__init__(world_size, args, saved, BatchObserver)
@@ -330,6 +333,11 @@ class BatchAgent(Agent):
         self.rng = np.random.default_rng(args.seed)  # every random number drawn after the initial policy
         self.parameters = [parameter.detach().numpy() for parameter in self.policy.parameters()]  # views
         self.lock, self.waiting = threading.Lock(), {}  # the requests of this step so far
+        if saved and "optimizer" in saved:  # a checkpoint, checked by read_checkpoint
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.episode_rewards, self.running_reward = saved["episode_rewards"], saved["running_reward"]
+            self.rng.bit_generator.state = saved["rng"]
+            print(f"resuming after episode {len(self.episode_rewards)} from {checkpoint_path(args)}", flush=True)
 
     def run_episode(self):
         """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent. Starts the
@@ -344,8 +352,8 @@ class BatchAgent(Agent):
     def select_action(self, ob_id, states, rewards):
         """An observer's request of a step: {environment index: state} of its environments still playing (none once
         all have ended) and {index: reward} of their previous actions. Returns a future of the actions, answered
-        once every observer still playing has asked. Requests arrive on several RPC threads: hence the lock (no
-        request waits for it while act runs: every observer still playing waits for its answer)."""
+        once every observer still playing has asked. Requests arrive on several RPC threads: hence the lock, under
+        which act answers too (the next step's requests can only follow its answers)."""
         actions = torch.futures.Future()
         with self.lock:
             for index, reward in rewards.items():
@@ -376,12 +384,24 @@ class BatchAgent(Agent):
 
     def finish_episode(self):
         """The saved log-probabilities, computed again in torch: one forward for every step of every episode, with
-        the dropout masks the actions were sampled with; then the tutorial's update."""
+        the dropout masks the actions were sampled with; then the tutorial's update. Then a checkpoint every
+        --checkpoint-interval episodes, once solved and at --max-episodes: all the run needs to continue as if it
+        had not stopped (the policy, Adam's state, the records, and the agent's generator, the only random state
+        still to be used: every episode starts from seeds it draws). Written atomically: a failed write keeps the
+        previous checkpoint and ends the run in one line."""
         rows, states, masks, actions = (torch.from_numpy(np.concatenate(column)) for column in zip(*self.trajectory))
         probs = F.softmax(self.policy.affine2(F.relu(self.policy.affine1(states) * masks)), dim=1)
         log_probs = Categorical(probs).log_prob(actions)
         self.saved_log_probs = {env: [log_probs[rows == row]] for env, row in self.rows.items()}  # in step order
-        return super().finish_episode()
+        min_reward = super().finish_episode()
+        episode, args = len(self.episode_rewards), self.args
+        if args.checkpoint_dir and (episode % args.checkpoint_interval == 0 or episode >= args.max_episodes
+                                    or self.running_reward > self.reward_threshold):
+            common.save_checkpoint(checkpoint_path(args), "rpc_rl", {
+                "recipe": recipe(args), "policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "episode_rewards": self.episode_rewards, "running_reward": self.running_reward,
+                "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
+        return min_reward
 
     def discounted_returns(self, env, R=0.0):
         """With --truncation bootstrap, the return of an episode that CartPole's 500-step limit cut short (gymnasium's
@@ -401,6 +421,24 @@ class BatchAgent(Agent):
             super().update_running_reward(episode_rewards[index::self.args.envs_per_observer])
         return min(episode_rewards)
 
+    def report(self, solved, wall_time, steps):
+        """--save, then the greedy evaluation: --eval-episodes episodes with the most probable action and no dropout,
+        on an environment of the agent's own, seeded with --seed as no observer's is (gymnasium's
+        RecordEpisodeStatistics sums their rewards); then the result line."""
+        if self.args.save:
+            common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()}, "--save")
+        env = gym.wrappers.RecordEpisodeStatistics(gym.make(ENV_ID), buffer_length=self.args.eval_episodes)
+        for episode in range(self.args.eval_episodes):
+            state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
+            for _ in range(env.spec.max_episode_steps):
+                state, _, terminated, truncated, _ = env.step(int(numpy_probs(self.parameters, state[None]).argmax()))
+                if terminated or truncated:
+                    break
+        if env.return_queue:
+            print(f"greedy evaluation: mean reward {np.mean(env.return_queue):.1f} over {len(env.return_queue)} "
+                  f"episodes", flush=True)
+        super().report(solved, wall_time, steps, eval_rewards=list(env.return_queue))
+
 
 def numpy_probs(parameters, states, masks=1.0):
     """Policy.forward in numpy, float32, with the dropout masks given (1.0: no dropout, as in evaluation)."""
@@ -410,7 +448,7 @@ def numpy_probs(parameters, states, masks=1.0):
     return exp / exp.sum(axis=1, keepdims=True)
 
 
-# --- Beyond the tutorial: checkpoints that resume exactly, --save, greedy evaluation, the result line ---
+# --- Beyond the tutorial: what --resume and --load start from, read once before any process starts ---
 
 CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "episode_rewards", "running_reward", "rng")
 
@@ -441,65 +479,16 @@ def read_checkpoint(args):
         return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
 
 
-class CheckpointedAgent(BatchAgent):
-    """Lives in the agent process: the BatchAgent of a whole run of this script. It continues from a checkpoint
-    (--resume), writes checkpoints, and ends with --save, the greedy evaluation and the result line."""
-
-    def __init__(self, world_size, args, saved=None):
-        super().__init__(world_size, args, saved)
-        if saved and "optimizer" in saved:  # a checkpoint, checked by read_checkpoint
-            self.optimizer.load_state_dict(saved["optimizer"])
-            self.episode_rewards, self.running_reward = saved["episode_rewards"], saved["running_reward"]
-            self.rng.bit_generator.state = saved["rng"]
-            print(f"resuming after episode {len(self.episode_rewards)} from {checkpoint_path(args)}", flush=True)
-
-    def finish_episode(self):
-        """The update, then a checkpoint every --checkpoint-interval episodes, once solved and at --max-episodes: all
-        the run needs to continue as if it had not stopped (the policy, Adam's state, the records, and the agent's
-        generator, the only random state still to be used: every episode starts from seeds it draws). Written
-        atomically: a failed write keeps the previous checkpoint and ends the run in one line."""
-        min_reward = super().finish_episode()
-        episode, args = len(self.episode_rewards), self.args
-        if args.checkpoint_dir and (episode % args.checkpoint_interval == 0 or episode >= args.max_episodes
-                                    or self.running_reward > self.reward_threshold):
-            common.save_checkpoint(checkpoint_path(args), "rpc_rl", {
-                "recipe": recipe(args), "policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "episode_rewards": self.episode_rewards, "running_reward": self.running_reward,
-                "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
-        return min_reward
-
-    def evaluate(self, episodes):
-        """Greedy episodes (the most probable action, no dropout) on an environment of the agent's own, seeded with
-        --seed, as no observer's is. Returns their rewards (gymnasium's RecordEpisodeStatistics sums them)."""
-        env = gym.wrappers.RecordEpisodeStatistics(gym.make(ENV_ID), buffer_length=episodes)
-        for episode in range(episodes):
-            state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
-            for _ in range(env.spec.max_episode_steps):
-                state, _, terminated, truncated, _ = env.step(int(numpy_probs(self.parameters, state[None]).argmax()))
-                if terminated or truncated:
-                    break
-        eval_rewards = [float(reward) for reward in env.return_queue]
-        if eval_rewards:
-            print(f"greedy evaluation: mean reward {np.mean(eval_rewards):.1f} over {episodes} episodes", flush=True)
-        return eval_rewards
-
-    def report(self, solved, wall_time, steps):
-        """--save and the greedy evaluation, then the result line."""
-        if self.args.save:
-            common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()}, "--save")
-        super().report(solved, wall_time, steps, eval_rewards=self.evaluate(self.args.eval_episodes))
-
-
 # --- main: the flags, then the processes ---
 
 def main(argv=None):
     """Check the flags and read what the agent starts from (in the agent's process, rank 0, which alone reads and
     writes files), then start the processes: the agent is the tutorial's with --tutorial, else the
-    CheckpointedAgent that builds on it."""
+    BatchAgent that builds on it."""
     args = common.parse_args(Args, argv)
     validate(args)
     saved = read_checkpoint(args) if (common.torchrun_env() or {"RANK": 0})["RANK"] == 0 else None
-    agent_class = Agent if args.tutorial else CheckpointedAgent
+    agent_class = Agent if args.tutorial else BatchAgent
     common.launch(run_worker, common.process_count(args.world_size), args, agent_class, saved, timeout=args.rpc_timeout)
 
 

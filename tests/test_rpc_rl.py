@@ -231,7 +231,8 @@ def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutor
         made.optimizer = torch.optim.SGD(made.policy.parameters(), lr=1.0)  # the step is the gradient
         vars(made).update(eps=np.finfo(np.float32).eps.item(), running_reward=0, episode_rewards=[],
                           rewards=copy.deepcopy(rewards),
-                          args=types.SimpleNamespace(gamma=0.99, truncation="terminal", envs_per_observer=2), **fields)
+                          args=types.SimpleNamespace(gamma=0.99, truncation="terminal", envs_per_observer=2,
+                                                     checkpoint_dir=None), **fields)
         return made
 
     # two episodes of 10 and 20 steps: of one observer each for the tutorial, of one observer's 2 environments here
@@ -593,7 +594,7 @@ def test_a_resumable_checkpoint_passes_the_checks_and_is_read_once(bad_files, mo
     monkeypatch.setattr(common, "load_checkpoint", lambda *args, **kwargs: reads.append(args) or load(*args, **kwargs))
     rpc_rl.main(["--resume", "--checkpoint-dir", str(bad_files / "ckpt_lr"), "--load", str(bad_files / "good.pt")])
     (_, world_size, args, agent_class, saved), = launched
-    assert world_size == 2 and agent_class is rpc_rl.CheckpointedAgent and args.truncation == "bootstrap"
+    assert world_size == 2 and agent_class is rpc_rl.BatchAgent and args.truncation == "bootstrap"
     assert len(reads) == 1 and set(saved) >= set(rpc_rl.CHECKPOINT_KEYS)
     rpc_rl.main(["--world-size", "40", "--oversubscribe", "--tutorial", "--load", str(bad_files / "good.pt")])
     assert launched[1][1] == 40 and launched[1][3] is rpc_rl.Agent and launched[1][2].truncation == "terminal"
@@ -649,16 +650,16 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line_and_keeps_
     assert [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
 
 
-def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path, monkeypatch):
-    """--save at the end of a run (CheckpointedAgent.report, here in this process under a file-size limit): the
-    run's one line (RunFailed) names --save, and the previous policy file still loads."""
+def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path, capsys):
+    """--save at the end of a run (BatchAgent.report, here in this process under a file-size limit): the run's one
+    line (RunFailed) names --save, nothing is evaluated or reported after it, and the previous policy file still
+    loads."""
     path = tmp_path / "policy.pt"
     torch.manual_seed(0)
     previous = rpc_rl.Policy().state_dict()
     common.save_checkpoint(path, "rpc_rl", {"policy": previous}, "--save")
-    agent = object.__new__(rpc_rl.CheckpointedAgent)
-    vars(agent).update(policy=rpc_rl.Policy(), args=types.SimpleNamespace(save=str(path)))
-    monkeypatch.setattr(rpc_rl.CheckpointedAgent, "evaluate", lambda *args: pytest.fail("evaluated after a failure"))
+    agent = object.__new__(rpc_rl.BatchAgent)
+    vars(agent).update(policy=rpc_rl.Policy(), args=types.SimpleNamespace(save=str(path), eval_episodes=2, seed=0))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
     try:
@@ -667,7 +668,7 @@ def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path, monkeyp
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert f"cannot write {path}" in str(error.value) and "pass another --save" in str(error.value)
-    assert "\n" not in str(error.value)
+    assert "\n" not in str(error.value) and capsys.readouterr().out == ""
     kept = common.load_checkpoint(path, "rpc_rl", "--load", keys=("policy",))["policy"]
     assert all(torch.equal(kept[name], value) for name, value in previous.items())
     assert [item.name for item in tmp_path.iterdir()] == ["policy.pt"]
