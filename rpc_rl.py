@@ -7,15 +7,15 @@ at once (`rpc_async`), handing over its own RRef; an observer asks the agent for
 (`rpc_sync`), and once every episode has ended the agent makes one REINFORCE update from all of them. The
 tutorial's code comes first, and `--tutorial` runs it alone. What runs by default builds on it below the banners:
 one RPC per step instead of two, one forward for all observers of a step, computed in numpy, several environments
-per observer, the returns of time-limited episodes bootstrapped, checkpoints that resume exactly, a saved policy,
-its greedy evaluation and a learning curve.
+per observer, the returns of time-limited episodes bootstrapped, checkpoints that resume exactly, a saved policy
+and its greedy evaluation.
 
 Commands:
     python rpc_rl.py                                  # agent + 1 observer on this machine, until solved
     python rpc_rl.py --tutorial                       # the tutorial's code alone
     python rpc_rl.py --world-size 5                   # agent + 4 observers
     python rpc_rl.py --envs-per-observer 16           # agent + 1 observer stepping 16 environments
-    python rpc_rl.py --max-episodes 50 --save policy.pt --eval-episodes 5 --plot curve.png
+    python rpc_rl.py --max-episodes 50 --save policy.pt --eval-episodes 5
     python rpc_rl.py --load policy.pt --max-episodes 0 --eval-episodes 10    # greedy evaluation only
     python rpc_rl.py --checkpoint-dir ckpt --resume   # the same command again continues where it stopped
     torchrun --standalone --nproc-per-node 3 rpc_rl.py
@@ -30,7 +30,6 @@ training), the line that says it solved CartPole, then the result as one JSON li
     {"script": "rpc_rl", "solved": true, "episodes": E, "env_steps": N, "wall_time_s": T, "steps_per_s": S, ...}
 """
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from torch.distributed.rpc import RRef, remote
 from torch.distributions import Categorical
 
 import common
-from common import FigureFile, InFile, NonNegative, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
+from common import InFile, NonNegative, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
 
 AGENT_NAME = "agent"
 OBSERVER_NAME = "observer{}"
@@ -85,8 +84,6 @@ class Args:
     """write the trained policy to this file; not given: not saved"""
     load: Optional[InFile] = None
     """start from the policy in this file (written by --save, or a checkpoint); not given: a new policy"""
-    plot: Optional[FigureFile] = None
-    """draw the learning curve into this .png, .pdf or .svg file; not given: no figure"""
     checkpoint_dir: Optional[OutDir] = None
     """write a checkpoint (rpc_rl.pt) into this folder every --checkpoint-interval episodes and at the end; not
     given: no checkpoints"""
@@ -104,23 +101,8 @@ class Args:
     """start more than 4 processes per CPU"""
 
 
-CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "progress", "rng")
-
-
-def checkpoint_path(args):
-    return Path(args.checkpoint_dir) / "rpc_rl.pt"
-
-
-def recipe(args, world_size):
-    """What a resumed run must share with the run that wrote the checkpoint."""
-    return {"observers": world_size - 1, "envs_per_observer": args.envs_per_observer, "seed": args.seed,
-            "gamma": args.gamma, "lr": args.lr, "truncation": args.truncation}
-
-
 def validate(args):
-    """The rules that involve several flags or the machine (each flag's own rule is checked as it is parsed).
-    Returns what --resume or --load starts from, read once and checked to fit the policy, in the agent's process
-    (rank 0), which alone reads and writes files; else None."""
+    """The rules that involve several flags or the machine (each flag's own rule is checked as it is parsed)."""
     processes = common.process_count(args.world_size)
     common.check_processes("--world-size", processes, args.oversubscribe)
     check(processes >= 2, f"world size {processes}: need at least 2 processes (one agent, one observer)")
@@ -128,26 +110,10 @@ def validate(args):
     args.truncation = args.truncation or ("terminal" if args.tutorial else "bootstrap")
     check(args.gamma < 1 or args.gamma == 1 and args.truncation == "terminal", f"--gamma {args.gamma}: pass a "
           f"discount factor below 1, or 1 with --truncation terminal (a bootstrapped return would be infinite)")
-    beyond = (args.envs_per_observer, args.truncation, args.eval_episodes, args.save, args.plot, args.checkpoint_dir)
-    check(not args.tutorial or beyond == (1, "terminal", 0, None, None, None), "--tutorial runs the tutorial's code "
-          "alone: leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save, --plot and "
-          "--checkpoint-dir")
+    beyond = (args.envs_per_observer, args.truncation, args.eval_episodes, args.save, args.checkpoint_dir)
+    check(not args.tutorial or beyond == (1, "terminal", 0, None, None), "--tutorial runs the tutorial's code alone: "
+          "leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save and --checkpoint-dir")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
-    if (common.torchrun_env() or {"RANK": 0})["RANK"] != 0:
-        return None
-    if args.checkpoint_dir and checkpoint_path(args).exists():
-        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
-        if args.resume:
-            saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
-            check(saved["recipe"] == recipe(args, processes), f"--resume: {path} was written with {saved['recipe']}, "
-                  f"not {recipe(args, processes)}; pass the same flags or another --checkpoint-dir")
-            policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
-            common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
-            return saved
-    if args.load:
-        saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
-        return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
-    return None
 
 
 class Policy(nn.Module):
@@ -191,9 +157,8 @@ class Observer:
 
 class Agent:
     """Lives in the agent process (rank 0): the policy and its optimizer, the observers' RRefs, per observer the
-    log-probabilities of its actions and its rewards in the episode being played, and the run's records (every
-    episode's rewards and the running reward after it). saved: a policy to start from (--load); observer: the
-    class of the observers it creates."""
+    log-probabilities of its actions and its rewards in the episode being played, and every episode's rewards.
+    saved: a policy to start from (--load); observer: the class of the observers it creates."""
 
     def __init__(self, world_size, args, saved=None, observer=Observer):
         self.ob_rrefs = []
@@ -209,7 +174,7 @@ class Agent:
         self.args = args
         self.running_reward = 0
         self.reward_threshold = gym.spec(ENV_ID).reward_threshold
-        self.episode_rewards, self.running_rewards = [], []
+        self.episode_rewards = []
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             self.ob_rrefs.append(remote(ob_info, observer, args=(args,)))
@@ -247,7 +212,6 @@ class Agent:
         # use the minimum observer reward to calculate the running reward
         self.episode_rewards.append([sum(rewards) for rewards in self.rewards.values()])
         min_reward = self.update_running_reward(self.episode_rewards[-1])
-        self.running_rewards.append(self.running_reward)
         # clear saved probs and rewards
         for ob_id in self.rewards:
             self.rewards[ob_id] = []
@@ -279,14 +243,13 @@ class Agent:
     def report(self, solved, wall_time, steps, **figures):
         """The run's last line, one JSON object: times cover this process's training loop, counts the whole run."""
         common.emit_result("rpc_rl", solved=solved, episodes=len(self.episode_rewards), env_steps=env_steps(self),
-                           wall_time_s=round(wall_time, 3), steps_per_s=round(steps / max(wall_time, 1e-9), 1),
-                           observers=len(self.ob_rrefs), running_reward=round(self.running_reward, 3), **figures,
-                           episode_rewards=self.episode_rewards)
+                           wall_time_s=round(wall_time, 3), steps_per_s=round(steps / wall_time, 1), **figures,
+                           running_reward=round(self.running_reward, 3), episode_rewards=self.episode_rewards)
 
 
 def run_agent(agent, args):
     """The agent's loop: an episode on every observer, an update, a log line every --log-interval episodes, until
-    the running reward passes the threshold or --max-episodes. Returns (solved, training time, env steps)."""
+    the running reward passes the threshold or --max-episodes; then the result line."""
     start, first = time.perf_counter(), len(agent.episode_rewards)  # a resumed run starts after `first` episodes
     solved = agent.running_reward > agent.reward_threshold
     while not solved and len(agent.episode_rewards) < args.max_episodes:
@@ -299,7 +262,7 @@ def run_agent(agent, args):
         if solved:
             print(f"solved: running reward {agent.running_reward:.1f} > {agent.reward_threshold:g} after {i_episode} "
                   f"episodes", flush=True)
-    return solved, time.perf_counter() - start, env_steps(agent, first)
+    agent.report(solved, time.perf_counter() - start, env_steps(agent, first))
 
 
 def env_steps(agent, first=0):
@@ -316,11 +279,9 @@ def run_worker(info, args, agent_class, saved):
     if info.rank == 0:
         common.init_rpc(info, AGENT_NAME, timeout_s=args.rpc_timeout)
         try:
-            agent = agent_class(info.world_size, args, saved)
-            agent.report(*run_agent(agent, args))
-        except common.RunFailed:  # its one line comes from common.launch; the observers end with the agent, as usual
-            with contextlib.suppress(Exception):
-                rpc.shutdown()
+            run_agent(agent_class(info.world_size, args, saved), args)
+        except common.RunFailed:  # said in one line by common.launch; the observers end with the agent, as usual,
+            rpc.shutdown()  # without logging a lost connection
             raise
     else:
         common.init_rpc(info, OBSERVER_NAME.format(info.rank), timeout_s=args.rpc_timeout)
@@ -328,7 +289,8 @@ def run_worker(info, args, agent_class, saved):
     rpc.shutdown()
 
 
-# --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers, in numpy ---
+# --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers, in numpy;
+# checkpoints that resume exactly, --save, greedy evaluation, the result line ---
 
 class BatchObserver(Observer):
     """Lives in an observer process: K CartPole environments (--envs-per-observer), played together."""
@@ -360,21 +322,27 @@ class BatchObserver(Observer):
 class BatchAgent(Agent):
     """Lives in the agent process: the tutorial's Agent, answering every observer of a step with one forward, in
     numpy, from the agent's own generator; the update computes the log-probabilities again, in torch. Rewards,
-    log-probabilities and trajectories are kept per environment: (observer id, environment index)."""
+    log-probabilities and trajectories are kept per environment: (observer id, environment index). It continues
+    from a checkpoint (--resume), writes checkpoints, and ends with --save, the greedy evaluation and the result
+    line."""
 
     def __init__(self, world_size, args, saved=None):
         super().__init__(world_size, args, saved, BatchObserver)
         self.rewards = {(ob_id, index): [] for ob_id in self.rewards for index in range(args.envs_per_observer)}
-        self.saved_log_probs = {env: [] for env in self.rewards}
         self.rows = {env: row for row, env in enumerate(self.rewards)}  # an environment's number in the trajectory
-        self.trajectory = []  # per step: the numbers of the environments playing, their states, masks and actions
         self.rng = np.random.default_rng(args.seed)  # every random number drawn after the initial policy
         self.parameters = [parameter.detach().numpy() for parameter in self.policy.parameters()]  # views
-        self.lock, self.waiting, self.playing = threading.Lock(), {}, set()  # requests to answer; observers playing
+        self.lock, self.waiting = threading.Lock(), {}  # the requests of this step so far
+        if saved and "optimizer" in saved:  # a checkpoint, checked by read_checkpoint
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.episode_rewards, self.running_reward = saved["episode_rewards"], saved["running_reward"]
+            self.rng.bit_generator.state = saved["rng"]
+            print(f"resuming after episode {len(self.episode_rewards)} from {checkpoint_path(args)}", flush=True)
 
     def run_episode(self):
-        """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent."""
-        self.playing = {ob_id for ob_id, _ in self.rewards}
+        """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent. Starts the
+        episode's trajectory: per step, the numbers of the environments playing, their states, masks and actions."""
+        self.playing, self.trajectory = {ob_id for ob_id, _ in self.rewards}, []  # observers still playing
         seeds = self.rng.integers(2**32, size=(len(self.ob_rrefs), self.args.envs_per_observer)).tolist()
         futs = [ob_rref.rpc_async().run_episode(self.agent_rref, ob_seeds)
                 for ob_rref, ob_seeds in zip(self.ob_rrefs, seeds)]
@@ -384,18 +352,17 @@ class BatchAgent(Agent):
     def select_action(self, ob_id, states, rewards):
         """An observer's request of a step: {environment index: state} of its environments still playing (none once
         all have ended) and {index: reward} of their previous actions. Returns a future of the actions, answered
-        once every observer still playing has asked. Requests arrive on several RPC threads: hence the lock."""
+        once every observer still playing has asked. Requests arrive on several RPC threads: hence the lock, under
+        which act answers too (the next step's requests can only follow its answers)."""
         actions = torch.futures.Future()
         with self.lock:
             for index, reward in rewards.items():
                 self.rewards[ob_id, index].append(reward)
             self.waiting[ob_id] = (states, actions)
-            ready = self.waiting.keys() >= self.playing
-            if ready:
+            if self.waiting.keys() >= self.playing:
                 requests, self.waiting = sorted(self.waiting.items()), {}
                 self.playing = {ob_id for ob_id, (ob_states, _) in requests if ob_states}
-        if ready:
-            self.act(requests)
+                self.act(requests)
         return actions
 
     def act(self, requests):
@@ -403,28 +370,38 @@ class BatchAgent(Agent):
         in observer order: the same batches, hence the same random numbers, on every run. In numpy, because for a
         few rows torch's fixed cost per operator call is many times the arithmetic. The futures are answered last:
         only then can the next step's requests arrive."""
-        envs = [(ob_id, index) for ob_id, (ob_states, _) in requests for index in ob_states]
+        rows = np.array([self.rows[ob_id, index] for ob_id, (ob_states, _) in requests for index in ob_states], int)
         states = np.array([state for _, (ob_states, _) in requests for state in ob_states.values()], np.float32)
-        states = states.reshape(len(envs), 4)  # 4 numbers, also when no environment is left
+        states = states.reshape(len(rows), 4)  # 4 numbers, also when no environment is left
         keep = 1 - self.policy.dropout.p  # inverted dropout, as nn.Dropout
-        masks = (self.rng.random((len(envs), self.policy.affine1.out_features)) < keep) / np.float32(keep)
+        masks = (self.rng.random((len(rows), self.policy.affine1.out_features)) < keep) / np.float32(keep)
         probs = numpy_probs(self.parameters, states, masks)
-        actions = (self.rng.random(len(envs)) >= probs[:, 0]).astype(np.int64)  # action 1 with probability probs[:, 1]
-        self.trajectory.append((np.array([self.rows[env] for env in envs], int), states, masks, actions))
+        actions = (self.rng.random(len(rows)) >= probs[:, 0]).astype(np.int64)  # action 1 with probability probs[:, 1]
+        self.trajectory.append((rows, states, masks, actions))
         answers = iter(actions.tolist())
         for _, (ob_states, future) in requests:
             future.set_result([next(answers) for _ in ob_states])
 
     def finish_episode(self):
         """The saved log-probabilities, computed again in torch: one forward for every step of every episode, with
-        the dropout masks the actions were sampled with; then the tutorial's update."""
+        the dropout masks the actions were sampled with; then the tutorial's update. Then a checkpoint every
+        --checkpoint-interval episodes, once solved and at --max-episodes: all the run needs to continue as if it
+        had not stopped (the policy, Adam's state, the records, and the agent's generator, the only random state
+        still to be used: every episode starts from seeds it draws). Written atomically: a failed write keeps the
+        previous checkpoint and ends the run in one line."""
         rows, states, masks, actions = (torch.from_numpy(np.concatenate(column)) for column in zip(*self.trajectory))
         probs = F.softmax(self.policy.affine2(F.relu(self.policy.affine1(states) * masks)), dim=1)
         log_probs = Categorical(probs).log_prob(actions)
-        for env, row in self.rows.items():
-            self.saved_log_probs[env] = [log_probs[rows == row]]  # in the order of its steps
-        self.trajectory = []
-        return super().finish_episode()
+        self.saved_log_probs = {env: [log_probs[rows == row]] for env, row in self.rows.items()}  # in step order
+        min_reward = super().finish_episode()
+        episode, args = len(self.episode_rewards), self.args
+        if args.checkpoint_dir and (episode % args.checkpoint_interval == 0 or episode >= args.max_episodes
+                                    or self.running_reward > self.reward_threshold):
+            common.save_checkpoint(checkpoint_path(args), "rpc_rl", {
+                "recipe": recipe(args), "policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "episode_rewards": self.episode_rewards, "running_reward": self.running_reward,
+                "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
+        return min_reward
 
     def discounted_returns(self, env, R=0.0):
         """With --truncation bootstrap, the return of an episode that CartPole's 500-step limit cut short (gymnasium's
@@ -444,6 +421,24 @@ class BatchAgent(Agent):
             super().update_running_reward(episode_rewards[index::self.args.envs_per_observer])
         return min(episode_rewards)
 
+    def report(self, solved, wall_time, steps):
+        """--save, then the greedy evaluation: --eval-episodes episodes with the most probable action and no dropout,
+        on an environment of the agent's own, seeded with --seed as no observer's is (gymnasium's
+        RecordEpisodeStatistics sums their rewards); then the result line."""
+        if self.args.save:
+            common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()}, "--save")
+        env = gym.wrappers.RecordEpisodeStatistics(gym.make(ENV_ID), buffer_length=self.args.eval_episodes)
+        for episode in range(self.args.eval_episodes):
+            state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
+            for _ in range(env.spec.max_episode_steps):
+                state, _, terminated, truncated, _ = env.step(int(numpy_probs(self.parameters, state[None]).argmax()))
+                if terminated or truncated:
+                    break
+        if env.return_queue:
+            print(f"greedy evaluation: mean reward {np.mean(env.return_queue):.1f} over {len(env.return_queue)} "
+                  f"episodes", flush=True)
+        super().report(solved, wall_time, steps, eval_rewards=list(env.return_queue))
+
 
 def numpy_probs(parameters, states, masks=1.0):
     """Policy.forward in numpy, float32, with the dropout masks given (1.0: no dropout, as in evaluation)."""
@@ -453,91 +448,47 @@ def numpy_probs(parameters, states, masks=1.0):
     return exp / exp.sum(axis=1, keepdims=True)
 
 
-# --- Beyond the tutorial: checkpoints that resume exactly, --save, greedy evaluation, --plot, the result line ---
+# --- Beyond the tutorial: what --resume and --load start from, read once before any process starts ---
 
-PROGRESS = ("running_reward", "episode_rewards", "running_rewards")
-
-
-class CheckpointedAgent(BatchAgent):
-    """Lives in the agent process: the BatchAgent of a whole run of this script. It continues from a checkpoint
-    (--resume), writes checkpoints, and ends with --save, the greedy evaluation, --plot and the result line."""
-
-    def __init__(self, world_size, args, saved=None):
-        super().__init__(world_size, args, saved)
-        if saved and "optimizer" in saved:  # a checkpoint, checked by validate
-            self.optimizer.load_state_dict(saved["optimizer"])
-            vars(self).update(saved["progress"])
-            self.rng.bit_generator.state = saved["rng"]
-            print(f"resuming after episode {len(self.episode_rewards)} from {checkpoint_path(args)}", flush=True)
-        self.resumed_after = len(self.episode_rewards)
-
-    def finish_episode(self):
-        """The update, then a checkpoint every --checkpoint-interval episodes, once solved and at --max-episodes."""
-        min_reward = super().finish_episode()
-        episode, args = len(self.episode_rewards), self.args
-        if args.checkpoint_dir and (episode % args.checkpoint_interval == 0 or episode >= args.max_episodes
-                                    or self.running_reward > self.reward_threshold):
-            self.write_checkpoint()
-        return min_reward
-
-    def write_checkpoint(self):
-        """Everything the run needs to continue as if it had not stopped: the policy, Adam's state, the records and
-        counts, and the agent's generator, the only random state still to be used (every episode starts from seeds
-        it draws). Written atomically: a failed write keeps the previous checkpoint and ends the run in one line."""
-        common.save_checkpoint(checkpoint_path(self.args), "rpc_rl", {
-            "recipe": recipe(self.args, len(self.ob_rrefs) + 1), "policy": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(), "progress": {name: getattr(self, name) for name in PROGRESS},
-            "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
-
-    def evaluate(self, episodes):
-        """Greedy episodes (the most probable action, no dropout) on an environment of the agent's own, seeded with
-        --seed, as no observer's is. Returns their rewards."""
-        env, eval_rewards = gym.make(ENV_ID), []
-        for episode in range(episodes):
-            state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
-            eval_rewards.append(0.0)
-            for _ in range(env.spec.max_episode_steps):
-                action = int(numpy_probs(self.parameters, state[None]).argmax())
-                state, reward, terminated, truncated, _ = env.step(action)
-                eval_rewards[-1] += reward
-                if terminated or truncated:
-                    break
-        if eval_rewards:
-            print(f"greedy evaluation: mean reward {np.mean(eval_rewards):.1f} over {episodes} episodes", flush=True)
-        return eval_rewards
-
-    def report(self, solved, wall_time, steps):
-        """--save, the greedy evaluation and --plot, then the result line with this script's figures."""
-        if self.args.save:
-            common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()}, "--save")
-        eval_rewards = self.evaluate(self.args.eval_episodes)
-        if self.args.plot:
-            plot_learning_curve(self, self.args.plot)
-        super().report(solved, wall_time, steps, envs_per_observer=self.args.envs_per_observer,
-                       truncation=self.args.truncation, eval_rewards=eval_rewards,
-                       resumed_after_episodes=self.resumed_after)
+CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "episode_rewards", "running_reward", "rng")
 
 
-def plot_learning_curve(agent, path):
-    from matplotlib.figure import Figure  # without pyplot: no display needed
-    figure = Figure(figsize=(7, 4))
-    axes, episodes = figure.subplots(), range(1, len(agent.episode_rewards) + 1)
-    axes.plot(episodes, [min(rewards) for rewards in agent.episode_rewards], alpha=0.4, label="smallest episode reward")
-    axes.plot(episodes, agent.running_rewards, label="running reward")
-    axes.axhline(agent.reward_threshold, color="gray", linestyle="--", label=f"solved ({agent.reward_threshold:g})")
-    axes.set(xlabel="episode", ylabel="reward")
-    axes.legend(loc="upper left")
-    common.save_figure(figure, path, "--plot")
+def checkpoint_path(args):
+    return Path(args.checkpoint_dir) / "rpc_rl.pt"
+
+
+def recipe(args):
+    """What a resumed run must share with the run that wrote the checkpoint."""
+    return {"observers": common.process_count(args.world_size) - 1, "envs_per_observer": args.envs_per_observer,
+            "seed": args.seed, "gamma": args.gamma, "lr": args.lr, "truncation": args.truncation}
+
+
+def read_checkpoint(args):
+    """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one, else the policy
+    of --load, else None (a new policy). Read once, before any process starts, and checked to fit the policy."""
+    if args.resume and checkpoint_path(args).exists():
+        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
+        saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
+        check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
+              f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
+        policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
+        common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
+        return saved
+    if args.load:
+        saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
+        return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
 
 
 # --- main: the flags, then the processes ---
 
 def main(argv=None):
-    """Check the flags, then start the processes: the agent is the tutorial's with --tutorial, else the
-    CheckpointedAgent that builds on it."""
+    """Check the flags and read what the agent starts from (in the agent's process, rank 0, which alone reads and
+    writes files), then start the processes: the agent is the tutorial's with --tutorial, else the
+    BatchAgent that builds on it."""
     args = common.parse_args(Args, argv)
-    saved = validate(args)
-    agent_class = Agent if args.tutorial else CheckpointedAgent
+    validate(args)
+    saved = read_checkpoint(args) if (common.torchrun_env() or {"RANK": 0})["RANK"] == 0 else None
+    agent_class = Agent if args.tutorial else BatchAgent
     common.launch(run_worker, common.process_count(args.world_size), args, agent_class, saved, timeout=args.rpc_timeout)
 
 

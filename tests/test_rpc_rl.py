@@ -64,30 +64,21 @@ SEED_3_RUNNING_REWARD = 62.068
 SEED_3_EVAL = [500.0, 500.0, 439.0]
 
 
-def by_episode(result):
-    """A run's episode rewards as [episode][observer][environment]."""
-    envs = result["envs_per_observer"]
-    return [[rewards[start:start + envs] for start in range(0, len(rewards), envs)]
-            for rewards in result["episode_rewards"]]
-
-
 @pytest.mark.parametrize("envs", [1, 3])
 def test_two_observers_give_the_same_episodes_from_the_same_seed(tmp_path, envs):
     """Two observers with `envs` environments each, the same command twice at once (which also shows that runs at
     once do not collide): the batches of every step are formed in observer order, so a seed gives one run."""
-    plot = tmp_path / "curve.png"
     flags = ("--world-size", 3, "--max-episodes", 4, "--seed", 3, "--envs-per-observer", envs, "--eval-episodes", 2)
-    first, second = start_rpc_rl(*flags, "--plot", plot), start_rpc_rl(*flags)
+    first, second = start_rpc_rl(*flags), start_rpc_rl(*flags)
     result, again = finish(first), finish(second)
     assert result["episode_rewards"] == again["episode_rewards"] and result["eval_rewards"] == again["eval_rewards"]
-    assert result["episodes"] == 4 and result["observers"] == 2 and result["envs_per_observer"] == envs
+    assert result["episodes"] == 4
     assert all(len(rewards) == 2 * envs and min(rewards) > 0 for rewards in result["episode_rewards"])
     columns = list(zip(*result["episode_rewards"]))
     assert len(set(columns)) == 2 * envs  # every environment plays episodes of its own (seeds drawn by the agent)
     # CartPole pays 1 per step, so the rewards count the env steps the observers reported
     assert result["env_steps"] == sum(map(sum, result["episode_rewards"]))
     assert len(result["eval_rewards"]) == 2
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 class RecordingAgent:
@@ -239,8 +230,9 @@ def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutor
         made.policy = copy.deepcopy(policy)
         made.optimizer = torch.optim.SGD(made.policy.parameters(), lr=1.0)  # the step is the gradient
         vars(made).update(eps=np.finfo(np.float32).eps.item(), running_reward=0, episode_rewards=[],
-                          running_rewards=[], rewards=copy.deepcopy(rewards),
-                          args=types.SimpleNamespace(gamma=0.99, truncation="terminal", envs_per_observer=2), **fields)
+                          rewards=copy.deepcopy(rewards),
+                          args=types.SimpleNamespace(gamma=0.99, truncation="terminal", envs_per_observer=2,
+                                                     checkpoint_dir=None), **fields)
         return made
 
     # two episodes of 10 and 20 steps: of one observer each for the tutorial, of one observer's 2 environments here
@@ -264,7 +256,7 @@ def test_the_batched_agent_samples_from_the_tutorials_policy_and_makes_the_tutor
         torch.testing.assert_close(parameter, expected, rtol=1e-5, atol=1e-6)
     assert not torch.equal(tutorial.policy.affine1.weight, policy.affine1.weight)  # one step was made
     # K = 2 environments: two rounds enter the running reward, as two episodes of the tutorial would
-    assert batched.running_rewards == [pytest.approx(0.05 * 20 + 0.95 * 0.05 * 10)]
+    assert batched.running_reward == pytest.approx(0.05 * 20 + 0.95 * 0.05 * 10)
 
 
 def test_returns_end_at_a_failure_and_go_on_past_the_time_limit():
@@ -291,7 +283,6 @@ def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_different
     assert 500.0 in rewards, "seed 4 no longer reaches the time limit within 60 episodes: pick another seed"
     first = rewards.index(500.0)
     bootstrap = finish(start_rpc_rl("--seed", 4, "--max-episodes", first + 5))
-    assert bootstrap["truncation"] == "bootstrap" and terminal["truncation"] == "terminal"
     bootstrapped = [reward for (reward,) in bootstrap["episode_rewards"]]
     # identical until the update after that episode, which only the returns' treatment of it changes
     assert bootstrapped[:first + 1] == rewards[:first + 1]
@@ -366,11 +357,10 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     resumed = re.search(r"resuming after episode (\d+) from", out)
     assert resumed and 5 <= int(resumed.group(1)) < 40, out[-3000:]
     result = last_json(out)
-    assert result["resumed_after_episodes"] == int(resumed.group(1))
     assert [reward for (reward,) in result["episode_rewards"]] == SEED_3
     assert result["running_reward"] == SEED_3_RUNNING_REWARD and result["eval_rewards"] == SEED_3_EVAL
     assert result["env_steps"] == sum(SEED_3)
-    assert common.load_checkpoint(checkpoint, "rpc_rl", "--resume")["progress"]["episode_rewards"] == [
+    assert common.load_checkpoint(checkpoint, "rpc_rl", "--resume")["episode_rewards"] == [
         [reward] for reward in SEED_3]  # the last one, at the end
 
 
@@ -392,8 +382,7 @@ def test_two_torchrun_nodes_on_loopback_give_the_rewards_of_the_spawned_run():
         assert node.returncode == 0, err[-3000:]
     assert outputs[0][0] == ""  # node 1 holds an observer, which prints nothing
     result = last_json(outputs[1][0])
-    assert result["observers"] == 1
-    assert [reward for (reward,) in result["episode_rewards"]] == SEED_3[:10]
+    assert [reward for (reward,) in result["episode_rewards"]] == SEED_3[:10]  # one observer
 
 
 def test_the_help_follows_the_rules(capsys):
@@ -411,7 +400,7 @@ def test_the_help_is_grouped_and_names_only_what_a_copy_of_the_script_has(capsys
         assert f"\n{group}\n" in text, group
     assert "(default: None)" not in text and max(map(len, text.splitlines())) <= common.HELP_WIDTH
     placeholders = dict(re.findall(r"^  (--[a-z-]+) ([A-Z]+)\b", text, flags=re.M))
-    assert placeholders["--save"] == placeholders["--load"] == placeholders["--plot"] == "FILE"
+    assert placeholders["--save"] == placeholders["--load"] == "FILE"
     assert placeholders["--checkpoint-dir"] == "DIR" and placeholders["--rpc-timeout"] == "SECONDS"
     assert placeholders["--seed"] == "N"
     for elsewhere in ("benchmarks", "README", "docs/", "tests/", "shared/", "bench_", "see ", "multiple of K"):
@@ -426,9 +415,9 @@ def write_checkpoint_file(path, script="rpc_rl", **changes):
     torch.manual_seed(0)
     policy = rpc_rl.Policy()
     args = rpc_rl.Args(truncation="bootstrap")
-    state = {"recipe": rpc_rl.recipe(args, 2), "policy": policy.state_dict(),
+    state = {"recipe": rpc_rl.recipe(args), "policy": policy.state_dict(),
              "optimizer": torch.optim.Adam(policy.parameters(), lr=args.lr).state_dict(), "rng": {},
-             "progress": {name: 0 for name in rpc_rl.PROGRESS}, **changes}
+             "episode_rewards": [], "running_reward": 0, **changes}
     path.parent.mkdir(parents=True, exist_ok=True)
     common.save_checkpoint(path, script, state)
 
@@ -510,15 +499,15 @@ BAD_INVOCATIONS = [
     ("--truncation never", "argument --truncation: invalid choice: 'never'"),
     # flags that do not fit together
     ("--tutorial --envs-per-observer 4", "--tutorial runs the tutorial's code alone: leave out --envs-per-observer, "
-     "--truncation bootstrap, --eval-episodes, --save, --plot and --checkpoint-dir"),  # new
+     "--truncation bootstrap, --eval-episodes, --save and --checkpoint-dir"),  # new
     ("--tutorial --truncation bootstrap", "--tutorial runs the tutorial's code alone: leave out"),  # new
-    ("--tutorial --eval-episodes 2 --plot {tmp}/c.png", "--tutorial runs the tutorial's code alone: leave out"),  # new
+    ("--tutorial --eval-episodes 2 --save {tmp}/p.pt", "--tutorial runs the tutorial's code alone: leave out"),  # new
     ("--tutorial --checkpoint-dir {tmp}/ck --resume", "--tutorial runs the tutorial's code alone: leave out"),  # new
     ("--resume", "--resume needs --checkpoint-dir"),
     # empty values: never "not given"
     ("--checkpoint-dir=", "--checkpoint-dir '': an empty value"),  # new
     ("--load=", "--load '': an empty value"),  # new
-    ("--plot=", "--plot '': an empty value"),  # new
+    ("--save=", "--save '': an empty value"),  # new
     # paths the file system refuses, outputs that are not regular files, formats this script does not write
     ("--load {tmp}/missing.pt", "--load {tmp}/missing.pt: no such file"),
     ("--load {tmp}/folder", "--load {tmp}/folder: not a regular file; pass a file"),
@@ -530,13 +519,12 @@ BAD_INVOCATIONS = [
     ("--save {tmp}/fifo", "--save {tmp}/fifo: not a regular file"),  # new
     ("--save {tmp}/missing/policy.pt", "folder {tmp}/missing does not exist"),
     ("--save {tmp}/" + "p" * 300 + ".pt", "File name too long"),  # new
-    ("--plot {tmp}/good.pt/curve.png", "--plot {tmp}/good.pt/curve.png: Not a directory; pass another path"),
-    ("--plot {tmp}/curve.txt", "--plot {tmp}/curve.txt: name a .png, .pdf or .svg file"),  # new
-    ("--plot {tmp}/curve", "--plot {tmp}/curve: name a .png, .pdf or .svg file"),  # new
+    ("--save {tmp}/good.pt/policy.pt", "--save {tmp}/good.pt/policy.pt: Not a directory; pass another path"),
     ("--checkpoint-dir {tmp}/good.pt", "{tmp}/good.pt is not a folder; pass a folder"),
     ("--checkpoint-dir /dev/null", "--checkpoint-dir /dev/null: /dev/null is not a folder"),  # new
     ("--checkpoint-dir {tmp}/" + "c" * 300, "File name too long"),  # new
-    ("--checkpoint-dir {tmp}/ckpt_folder", "--checkpoint-dir {tmp}/ckpt_folder/rpc_rl.pt: not a regular file"),
+    ("--checkpoint-dir {tmp}/ckpt_folder --resume", "--checkpoint-dir {tmp}/ckpt_folder/rpc_rl.pt: not a regular "
+                                                    "file"),
     ("--checkpoint-dir {tmp}/ckpt_fifo --resume", "--checkpoint-dir {tmp}/ckpt_fifo/rpc_rl.pt: not a regular file"),
     # files that are not this script's, or whose contents do not fit
     ("--load {tmp}/empty.pt", "--load {tmp}/empty.pt: not a readable checkpoint"),
@@ -551,7 +539,8 @@ BAD_INVOCATIONS = [
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --lr 0.02", "'lr': 0.01, 'truncation': 'bootstrap'}}, not {{"),
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --world-size 3", "pass the same flags or another --checkpoint-dir"),
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --truncation terminal", "pass the same flags"),  # new
-    ("--resume --checkpoint-dir {tmp}/ckpt_policy_only", "lacks recipe, optimizer, progress, rng"),
+    ("--resume --checkpoint-dir {tmp}/ckpt_policy_only", "lacks recipe, optimizer, episode_rewards, running_reward, "
+                                                         "rng"),
     ("--resume --checkpoint-dir {tmp}/ckpt_wide", "--resume {tmp}/ckpt_wide/rpc_rl.pt: does not fit this model (size "
                                                    "mismatch for affine1.weight"),  # new
     ("--resume --checkpoint-dir {tmp}/ckpt_optimizer", "--resume {tmp}/ckpt_optimizer/rpc_rl.pt: does not fit this "
@@ -590,8 +579,9 @@ def test_bad_input_is_one_line_exit_2_before_any_work_and_nothing_is_written(arg
 
 def test_the_command_line_refuses_bad_input_in_one_line_before_starting_anything(tmp_path):
     """The same through `python rpc_rl.py` itself (its entry point): exit 2, one line, no process started."""
-    proc = run_script("rpc_rl.py", "--plot", tmp_path / "curve.txt", "--save", tmp_path / "policy.pt", timeout=60)
-    assert_usage_error(proc, f"rpc_rl.py: error: --plot {tmp_path}/curve.txt: name a .png, .pdf or .svg file")
+    proc = run_script("rpc_rl.py", "--save", tmp_path / "missing" / "policy.pt", timeout=60)
+    assert_usage_error(proc, f"rpc_rl.py: error: --save {tmp_path}/missing/policy.pt: folder {tmp_path}/missing "
+                             f"does not exist")
     assert list(tmp_path.iterdir()) == [] and proc.stdout == ""
 
 
@@ -604,8 +594,8 @@ def test_a_resumable_checkpoint_passes_the_checks_and_is_read_once(bad_files, mo
     monkeypatch.setattr(common, "load_checkpoint", lambda *args, **kwargs: reads.append(args) or load(*args, **kwargs))
     rpc_rl.main(["--resume", "--checkpoint-dir", str(bad_files / "ckpt_lr"), "--load", str(bad_files / "good.pt")])
     (_, world_size, args, agent_class, saved), = launched
-    assert world_size == 2 and agent_class is rpc_rl.CheckpointedAgent and args.truncation == "bootstrap"
-    assert len(reads) == 1 and set(saved) >= {"recipe", "policy", "optimizer", "progress", "rng"}
+    assert world_size == 2 and agent_class is rpc_rl.BatchAgent and args.truncation == "bootstrap"
+    assert len(reads) == 1 and set(saved) >= set(rpc_rl.CHECKPOINT_KEYS)
     rpc_rl.main(["--world-size", "40", "--oversubscribe", "--tutorial", "--load", str(bad_files / "good.pt")])
     assert launched[1][1] == 40 and launched[1][3] is rpc_rl.Agent and launched[1][2].truncation == "terminal"
     assert set(launched[1][4]) == {"policy"}
@@ -656,20 +646,20 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line_and_keeps_
     finally:
         kill_all(proc)
     saved = common.load_checkpoint(checkpoint, "rpc_rl", "--resume", keys=rpc_rl.CHECKPOINT_KEYS)
-    assert len(saved["progress"]["episode_rewards"]) >= 1
+    assert len(saved["episode_rewards"]) >= 1
     assert [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
 
 
-def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path, monkeypatch):
-    """--save at the end of a run (CheckpointedAgent.report, here in this process under a file-size limit): the
-    run's one line (RunFailed) names --save, and the previous policy file still loads."""
+def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path, capsys):
+    """--save at the end of a run (BatchAgent.report, here in this process under a file-size limit): the run's one
+    line (RunFailed) names --save, nothing is evaluated or reported after it, and the previous policy file still
+    loads."""
     path = tmp_path / "policy.pt"
     torch.manual_seed(0)
     previous = rpc_rl.Policy().state_dict()
     common.save_checkpoint(path, "rpc_rl", {"policy": previous}, "--save")
-    agent = object.__new__(rpc_rl.CheckpointedAgent)
-    vars(agent).update(policy=rpc_rl.Policy(), args=types.SimpleNamespace(save=str(path)))
-    monkeypatch.setattr(rpc_rl.CheckpointedAgent, "evaluate", lambda *args: pytest.fail("evaluated after a failure"))
+    agent = object.__new__(rpc_rl.BatchAgent)
+    vars(agent).update(policy=rpc_rl.Policy(), args=types.SimpleNamespace(save=str(path), eval_episodes=2, seed=0))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
     try:
@@ -678,7 +668,7 @@ def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path, monkeyp
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert f"cannot write {path}" in str(error.value) and "pass another --save" in str(error.value)
-    assert "\n" not in str(error.value)
+    assert "\n" not in str(error.value) and capsys.readouterr().out == ""
     kept = common.load_checkpoint(path, "rpc_rl", "--load", keys=("policy",))["policy"]
     assert all(torch.equal(kept[name], value) for name, value in previous.items())
     assert [item.name for item in tmp_path.iterdir()] == ["policy.pt"]
