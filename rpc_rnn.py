@@ -16,7 +16,7 @@ Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/vali
     python rpc_rnn.py --cuda --epochs 6 --save lm.pt      # embedding + decoder on a GPU, LSTM on another (or the same)
     python rpc_rnn.py --generate 100 --load lm.pt         # sample 100 words in this process, no RPC
     python rpc_rnn.py --check-gradients --dropout 0 --clip 0.05 --emsize 32 --nhid 32    # distributed == 1 process
-    python rpc_rnn.py --checkpoint-dir ckpt --resume      # checkpoints each epoch; run it again to continue
+    python rpc_rnn.py --checkpoint-dir ckpt --resume      # a checkpoint after each epoch; run it again to continue
     torchrun --standalone --nproc-per-node 2 rpc_rnn.py
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 rpc_rnn.py --checkpoint-dir ckpt --resume
     # two nodes (node rank 0 is the ps, 1 the trainer); MASTER_ADDR = node 0's address on a trusted network:
@@ -94,11 +94,9 @@ class Args:
     checkpoint_dir: Optional[OutDir] = None
     """write a checkpoint of the whole run (both processes) to rpc_rnn.pt in this folder after every epoch;
     not given: no checkpoints"""
-    checkpoint_interval: Optional[Positive] = None
-    """also write that checkpoint every N training batches within an epoch; not given: after each epoch only"""
     resume: bool = False
-    """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning): on a CPU,
-    exactly as if the run had never stopped"""
+    """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning), at the
+    start of the epoch after it, exactly as if the run had never stopped"""
     # Sampling from a saved model
     generate: Optional[Positive] = None
     """sample N words from the --load file in this process, then exit; not given: train"""
@@ -132,8 +130,7 @@ def validate(args):
           "--generate and --check-gradients write and resume nothing: drop --save, --checkpoint-dir and --resume")
     check(not args.check_gradients or (args.dropout == 0 and not args.generate), "--check-gradients needs "
           "--dropout 0 (the two sides draw other dropout masks), and no --generate")
-    check(args.checkpoint_dir or not (args.resume or args.checkpoint_interval),
-          "--resume and --checkpoint-interval need --checkpoint-dir DIR (where the checkpoint is)")
+    check(args.checkpoint_dir or not args.resume, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
                                         "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
     if args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():
@@ -294,15 +291,16 @@ def run_trainer(args, corpus, device, ps_device, saved):
     train_data = batchify(corpus.train, args.batch_size, device)
     valid_data, test_data = (batchify(data, args.eval_batch_size, device) for data in (corpus.valid, corpus.test))
     batches = min(math.ceil((train_data.size(0) - 1) / args.bptt), args.max_batches or math.inf)
-    run = resume(args, model, saved, device, ps_device) if saved else start(args)
+    run = resume(args, model, saved) if saved else start(args)
     while run.epoch <= args.epochs:
         # SGD keeps no state but lr: a new optimizer with this epoch's lr continues exactly where the last one was
         opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=run.lr)
         model.train()
-        hidden = run.hidden or init_hidden(model.rnn, args.batch_size, device)
+        seed_epoch(args, run.epoch)  # beyond the tutorial: each epoch's dropout masks, the same after a resume
+        hidden = init_hidden(model.rnn, args.batch_size, device)
         epoch_start = since = time.perf_counter()
         count = tokens = 0  # since the last log line
-        for batch in range(run.batch, batches):
+        for batch in range(batches):
             input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
             # create distributed autograd context
             with dist_autograd.context() as context_id:
@@ -317,15 +315,12 @@ def run_trainer(args, corpus, device, ps_device, saved):
             run.losses.append(loss.item())
             count, tokens = count + 1, tokens + targets.numel()
             if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
-                interval, seconds = batch % args.log_interval + 1, time.perf_counter() - since  # a resume included
-                mean = sum(run.losses[-interval:]) / interval
+                seconds, mean = time.perf_counter() - since, sum(run.losses[-count:]) / count
                 print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | "
                       f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
                       f"{tokens / seconds / 1000:.1f}k tokens/s", flush=True)
                 run.tokens, run.seconds = run.tokens + tokens, run.seconds + seconds
                 since, count, tokens = time.perf_counter(), 0, 0
-            if args.checkpoint_interval and (batch + 1) % args.checkpoint_interval == 0 and batch + 1 < batches:
-                write_checkpoint(args, corpus, model, run, device, ps_device, batch=batch + 1, hidden=hidden)
         epoch_seconds = time.perf_counter() - epoch_start
         valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
         print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
@@ -336,8 +331,8 @@ def run_trainer(args, corpus, device, ps_device, saved):
                 save(args.save, "--save", args, corpus, model=run.best_state, valid_loss=valid_loss)
         else:
             run.lr /= 4
-        run.epoch, run.batch, run.hidden = run.epoch + 1, 0, None
-        write_checkpoint(args, corpus, model, run, device, ps_device)
+        run.epoch += 1
+        write_checkpoint(args, corpus, model, run)
     if run.best_state is not None:
         load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
     test_loss = evaluate(model, test_data, args.bptt, args.eval_batch_size, device)
@@ -363,7 +358,6 @@ def run_worker(info, args, corpus, saved):
     # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
     # the same time: each may use every core of the machine while the other waits.
     torch.set_num_threads(common.usable_cpus())
-    common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
     if args.cuda and args.check_gradients:
         common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
     # The ps takes GPU 0 of its machine; the trainer takes the second GPU of a machine it shares with the ps, if
@@ -580,13 +574,18 @@ def check_gradients(args, corpus, model, device):
 # ---------------------------------------------------------------------------------------------------------
 
 def start(args):
-    """Where a run stands, on the trainer. With the weights and the RNG states of both processes (which draw the
-    dropout masks), it is all a checkpoint needs to continue exactly: SGD keeps no state but lr. `batch` is the next
-    training batch of `epoch`, `hidden` the LSTM state before it when a checkpoint cut an epoch (None: zeros),
-    `best_state` the weights of the best valid loss, under LocalRNNModel's names; `losses` has every batch's, and
-    `tokens` were trained on in `seconds` of training."""
-    return SimpleNamespace(lr=args.lr, epoch=1, batch=0, hidden=None, best_valid=math.inf, best_state=None, losses=[],
-                           tokens=0, seconds=0.0)
+    """Where a run stands, on the trainer, between two epochs. With the weights, it is all a checkpoint needs to
+    continue exactly: SGD keeps no state but lr, each epoch starts from a zero LSTM state, and seed_epoch seeds its
+    dropout masks. `epoch` is the next one, `best_state` the weights of the best valid loss, under LocalRNNModel's
+    names; `losses` has every batch's, and `tokens` were trained on in `seconds` of training."""
+    return SimpleNamespace(lr=args.lr, epoch=1, best_valid=math.inf, best_state=None, losses=[], tokens=0, seconds=0.0)
+
+
+def resume(args, model, saved):
+    """Put the weights of both processes back, and the run where the checkpoint was taken."""
+    load_gathered(model, saved["model"])
+    print(f"resuming at epoch {saved['run']['epoch']} from {checkpoint_path(args)}", flush=True)
+    return SimpleNamespace(**saved["run"])
 
 
 def report(args, run, ntoken, test_loss, device, ps_device):
@@ -612,7 +611,7 @@ def save(path, flag, args, corpus, **state):
                                           **state}, flag)
 
 
-CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "run", "rng")
+CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "run")
 
 
 def checkpoint_path(args):
@@ -625,16 +624,12 @@ def recipe(args):
                                                    "eval_batch_size", "bptt", "lr", "clip", "seed", "max_batches")}
 
 
-def write_checkpoint(args, corpus, model, run, device, ps_device, **at):
-    """The whole run, from both processes, in one file in --checkpoint-dir, written by the trainer: the weights
-    (also loadable by --generate), where the run stands (`at` a batch within an epoch, with the LSTM state there),
-    and the RNG states of both processes, which draw the dropout masks."""
+def write_checkpoint(args, corpus, model, run):
+    """The whole run after an epoch, from both processes, in one file in --checkpoint-dir, written by the trainer:
+    the weights (also loadable by --generate) and where the run stands."""
     if args.checkpoint_dir:
-        state = {**vars(run), **at}
-        state["hidden"] = state["hidden"] and tuple(h.cpu() for h in state["hidden"])
-        rng = {TRAINER_NAME: rng_state(device), PS_NAME: rpc.rpc_sync(PS_NAME, rng_state, args=(ps_device,))}
-        save(checkpoint_path(args), "--checkpoint-dir", args, corpus, model=gathered(model, cpu_state_dict), rng=rng,
-             recipe=recipe(args), run=state)
+        save(checkpoint_path(args), "--checkpoint-dir", args, corpus, model=gathered(model, cpu_state_dict),
+             recipe=recipe(args), run=vars(run))
 
 
 def read_checkpoint(args):
@@ -657,29 +652,13 @@ def read_checkpoint(args):
     return saved
 
 
-def resume(args, model, saved, device, ps_device):
-    """Put both processes back where the checkpoint was taken: weights, RNG states, progress."""
-    load_gathered(model, saved["model"])
-    set_rng_state(saved["rng"][TRAINER_NAME], device)
-    rpc.rpc_sync(PS_NAME, set_rng_state, args=(saved["rng"][PS_NAME], ps_device))
-    run = SimpleNamespace(**saved["run"])
-    run.hidden = run.hidden and tuple(h.to(device) for h in run.hidden)
-    print(f"resuming at epoch {run.epoch} batch {run.batch} from {checkpoint_path(args)}", flush=True)
-    return run
-
-
-def rng_state(device):
-    """The states of this process's generators that draw dropout masks on `device`."""
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(state, device):
-    """Restore rng_state's states. On CUDA, cuDNN's LSTM keeps a dropout state of its own, which torch does not
-    expose and re-seeds from the CUDA generator once that is set: a resumed --cuda run with LSTM dropout draws
-    other masks between the LSTM's layers than an uninterrupted run would."""
-    torch.set_rng_state(state["cpu"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
+def seed_epoch(args, epoch):
+    """Seed the generators that draw the dropout masks, on both processes, from --seed, the epoch and the rank: a
+    run resumed at an epoch's start draws the masks an uninterrupted run draws, with no RNG state in the checkpoint.
+    Epoch 1 uses --seed on the ps and --seed + 1 on the trainer. On CUDA this reaches cuDNN's LSTM too: its dropout
+    state, which torch does not expose, is drawn again from the CUDA generator once that is seeded."""
+    rpc.rpc_sync(PS_NAME, common.seed_everything, args=(args.seed + 2 * (epoch - 1),))
+    common.seed_everything(args.seed + 2 * (epoch - 1) + 1)
 
 
 def generate(args):
