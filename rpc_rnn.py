@@ -52,6 +52,7 @@ from common import DataDir, InFile, OutDir, OutFile, Positive, PositiveFloat, Se
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
 SCRIPT = "rpc_rnn"
+EVAL_BATCH_SIZE = 10  # word_language_model's, for the valid and test sets
 
 
 @dataclass
@@ -76,8 +77,6 @@ class Args:
     """training batch size (parallel text streams)"""
     bptt: Positive = 35
     """sequence length of one training window (backpropagation through time)"""
-    eval_batch_size: Positive = 10
-    """batch size for the valid and test sets"""
     max_batches: Optional[Positive] = None
     """train only the first N batches of each epoch; not given: all (2 under --check-gradients)"""
     seed: Seed = 1111
@@ -289,7 +288,7 @@ def run_trainer(args, corpus, device, ps_device, saved):
     if args.check_gradients:
         return check_gradients(args, corpus, model, device)
     train_data = batchify(corpus.train, args.batch_size, device)
-    valid_data, test_data = (batchify(data, args.eval_batch_size, device) for data in (corpus.valid, corpus.test))
+    valid_data, test_data = (batchify(data, EVAL_BATCH_SIZE, device) for data in (corpus.valid, corpus.test))
     batches = min(math.ceil((train_data.size(0) - 1) / args.bptt), args.max_batches or math.inf)
     run = resume(args, model, saved) if saved else start(args)
     while run.epoch <= args.epochs:
@@ -322,7 +321,7 @@ def run_trainer(args, corpus, device, ps_device, saved):
                 run.tokens, run.seconds = run.tokens + tokens, run.seconds + seconds
                 since, count, tokens = time.perf_counter(), 0, 0
         epoch_seconds = time.perf_counter() - epoch_start
-        valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
+        valid_loss = evaluate(model, valid_data, args.bptt, device)
         print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
               f"{epoch_seconds:.1f} s/epoch", flush=True)
         if valid_loss < run.best_valid:
@@ -335,16 +334,16 @@ def run_trainer(args, corpus, device, ps_device, saved):
         write_checkpoint(args, corpus, model, run)
     if run.best_state is not None:
         load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
-    test_loss = evaluate(model, test_data, args.bptt, args.eval_batch_size, device)
+    test_loss = evaluate(model, test_data, args.bptt, device)
     print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
     report(args, run, len(corpus.words), test_loss, device, ps_device)
 
 
-def evaluate(model, data, bptt, batch_size, device):
+def evaluate(model, data, bptt, device):
     """Mean loss per word over a whole split, dropout off. Grad mode does not travel with an RPC: under this no_grad
     the ps still records the autograd graph of its forward, and drops it when the call returns."""
     model.eval()
-    total, hidden = 0.0, init_hidden(model.rnn, batch_size, device)
+    total, hidden = 0.0, init_hidden(model.rnn, data.size(1), device)
     with torch.no_grad():
         for i in range(0, data.size(0) - 1, bptt):
             input, targets = get_batch(data, i, bptt)
@@ -414,12 +413,10 @@ class Corpus:
 def check_corpus(args, corpus, saved):
     """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
     have been written for this text."""
-    for split, size, flag in (("train", args.batch_size, "--batch-size"),
-                              ("valid", args.eval_batch_size, "--eval-batch-size"),
-                              ("test", args.eval_batch_size, "--eval-batch-size")):
+    for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):
         tokens = getattr(corpus, split).numel()
-        check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {flag} {size}; pass a smaller "
-                                   f"{flag} or more text")
+        check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {size} streams of 2 words or more; "
+                                   f"pass more text" + (" or a smaller --batch-size" if split == "train" else ""))
     check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
           f"(its vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
 
@@ -557,14 +554,12 @@ def check_gradients(args, corpus, model, device):
         local_opt.zero_grad()
         local_loss, local_hidden = local.loss(input, targets, detach_hidden(local_hidden))
         local_loss.backward()
-        local_norm = nn.utils.clip_grad_norm_(local.parameters(), args.clip).item()
+        nn.utils.clip_grad_norm_(local.parameters(), args.clip)
         local_opt.step()
         weights = gathered(model, cpu_state_dict)  # which settles the step's writes too
         worst = [max(worst[0], abs(loss.item() - local_loss.item())),
                  max([worst[1]] + [(grads[name] - p.grad).abs().max().item() for name, p in local.named_parameters()]),
                  max([worst[2]] + [(weights[name] - p).abs().max().item() for name, p in local.state_dict().items()])]
-        print(f"batch {batch + 1} | loss {loss.item():.6f} vs {local_loss.item():.6f} | grad norm {norms[-1]:.5f} "
-              f"vs {local_norm:.5f} | max grad diff {worst[1]:.2e} | max weight diff {worst[2]:.2e}", flush=True)
     common.emit_result(SCRIPT, mode="check-gradients", batches=len(norms), grad_norms=norms, clip=args.clip,
                        compared=len(grads), **dict(zip(("loss_diff", "max_grad_diff", "max_param_diff"), worst)))
 
@@ -611,7 +606,7 @@ def save(path, flag, args, corpus, **state):
                                           **state}, flag)
 
 
-CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "run")
+CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "run", "rng")
 
 
 def checkpoint_path(args):
@@ -620,8 +615,8 @@ def checkpoint_path(args):
 
 def recipe(args):
     """The flags that a resumed run must share with the run that wrote the checkpoint: they change the math."""
-    return {name: getattr(args, name) for name in ("emsize", "nhid", "nlayers", "dropout", "batch_size",
-                                                   "eval_batch_size", "bptt", "lr", "clip", "seed", "max_batches")}
+    return {name: getattr(args, name) for name in ("emsize", "nhid", "nlayers", "dropout", "batch_size", "bptt", "lr",
+                                                   "clip", "seed", "max_batches")}
 
 
 def write_checkpoint(args, corpus, model, run):

@@ -94,8 +94,8 @@ def test_checkpoint_loads_into_local_model_and_generates(trained, text_dir):
     corpus = rpc_rnn.Corpus(text_dir)
     assert saved["vocab"] == corpus.words
     # The one-process model scores the test text exactly as the distributed run did at its end.
-    test_data = rpc_rnn.batchify(corpus.test, 10, "cpu")
-    local_test_loss = rpc_rnn.evaluate(model, test_data, 20, 10, "cpu")
+    test_data = rpc_rnn.batchify(corpus.test, rpc_rnn.EVAL_BATCH_SIZE, "cpu")
+    local_test_loss = rpc_rnn.evaluate(model, test_data, 20, "cpu")
     assert abs(local_test_loss - trained["result"]["test_loss"]) < 1e-4, (local_test_loss, trained["result"])
 
     proc = run_script("rpc_rnn.py", "--generate", 30, "--load", trained["save"], timeout=60)
@@ -498,9 +498,11 @@ def bad_invocations(text_dir, trained, tmp):
         "train-txt-is-a-folder": bad(["--data-dir", corpus_like(text_dir, tmp / "folder", train=None)],
                                      "cannot download train.txt", reads_data=True),
         "empty-corpus": bad(["--data-dir", corpus_like(text_dir, tmp / "empty", test="\n\n")],
-                            "test.txt has 2 tokens, too few for --eval-batch-size 10", reads_data=True),
+                            "test.txt has 2 tokens, too few for 10 streams of 2 words or more; pass more text",
+                            reads_data=True),
         "one-line-corpus": bad(["--data-dir", corpus_like(text_dir, tmp / "one-line", train="just one line\n")],
-                               "train.txt has 4 tokens, too few for --batch-size 20", reads_data=True),
+                               "train.txt has 4 tokens, too few for 20 streams of 2 words or more; pass more text "
+                               "or a smaller --batch-size", reads_data=True),
         "not-utf8": bad(["--data-dir", corpus_like(text_dir, tmp / "latin1", valid=b"caf\xe9\n")], "not UTF-8 text",
                         reads_data=True),
         "unreadable-train-txt": bad(["--data-dir", unreadable], "cannot read", reads_data=True),
