@@ -363,11 +363,9 @@ def run_worker(info, args, corpus, saved):
     # there is one. Tensors sent to the ps land on its GPU and the replies come back, by the map, not .to() calls.
     device = common.pick_device(args.cuda, common.local_gpu_index(info.local_rank))
     ps_device, devices = (torch.device("cuda", 0), [device]) if args.cuda else (torch.device("cpu"), None)
-    if info.rank == 0:
-        common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=devices)
-    else:
-        common.init_rpc(info, TRAINER_NAME, args.rpc_timeout, devices=devices,
-                        device_maps={PS_NAME: {device: ps_device}} if args.cuda else None)
+    common.init_rpc(info, TRAINER_NAME if info.rank else PS_NAME, args.rpc_timeout, devices=devices,
+                    device_maps={PS_NAME: {device: ps_device}} if args.cuda and info.rank else None)
+    if info.rank == 1:
         try:
             run_trainer(args, corpus, device, ps_device, saved)
         except common.RunFailed:  # a full disk, said in one line: shut down in order, so that the ps adds nothing
@@ -443,18 +441,15 @@ def pieces(model):
 
 
 def run_on(piece, function, *args):
-    """function(piece, *args), run where the piece lives (by RPC for an RRef), its device settled before and after:
-    it may read what another call wrote (gradients, weights) or write what it does not return."""
-    if isinstance(piece, nn.Module):
-        return _settled(piece, function, *args)
-    return _remote_method(_settled, piece, function, *args)
-
-
-def _settled(module, function, *args):
-    settle(module)
-    result = function(module, *args)
-    settle(module)
-    return None if result is module else result  # nn.Module.train returns the module: RPC would send it whole
+    """function(piece, *args), run where the piece lives (an RRef's by RPC, on its owner, as a module), its device
+    settled before and after: it may read what another call wrote (gradients, weights) or write what it does not
+    return."""
+    if not isinstance(piece, nn.Module):
+        return _remote_method(run_on, piece, function, *args)
+    settle(piece)
+    result = function(piece, *args)
+    settle(piece)
+    return None if result is piece else result  # nn.Module.train returns the module: RPC would send it whole
 
 
 def on_pieces(model, function, *args):
@@ -594,19 +589,12 @@ def report(args, run, ntoken, test_loss, device, ps_device):
                        tokens_per_s=run.tokens / run.seconds if run.seconds else 0.0)
 
 
-def model_config(args, ntoken):
-    """LocalRNNModel's arguments: LocalRNNModel(**config) builds the model a checkpoint's weights load into."""
-    return {"ntoken": ntoken, "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers, "dropout": args.dropout}
-
-
 def save(path, flag, args, corpus, **state):
     """A file that `LocalRNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])` loads, with ckpt =
     torch.load(path), written atomically by common.save_checkpoint: a failed write keeps the previous file."""
-    common.save_checkpoint(path, SCRIPT, {"vocab": corpus.words, "config": model_config(args, len(corpus.words)),
-                                          **state}, flag)
-
-
-CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "run", "rng")
+    config = {"ntoken": len(corpus.words), "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers,
+              "dropout": args.dropout}
+    common.save_checkpoint(path, SCRIPT, {"vocab": corpus.words, "config": config, **state}, flag)
 
 
 def checkpoint_path(args):
@@ -634,16 +622,12 @@ def read_checkpoint(args):
     if not (args.resume and checkpoint_path(args).exists()):
         return None
     path = checkpoint_path(args)
-    saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=CHECKPOINT_KEYS)
+    saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=("model", "vocab", "config", "recipe", "run"))
     differ = [f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
               if recipe(args).get(name) != value]
     check(not differ, f"--resume {path}: written with {', '.join(differ)}; pass the same flags or another "
                       f"--checkpoint-dir")
-    check(saved["run"]["epoch"] - 1 <= args.epochs, f"--resume {path}: holds {saved['run']['epoch'] - 1} finished "
-                                                    f"epochs, more than --epochs {args.epochs}; pass a larger --epochs")
-    model = LocalRNNModel(**model_config(args, len(saved["vocab"])))
-    for weights in filter(None, (saved["model"], saved["run"]["best_state"])):
-        common.check_fits(model, weights, "--resume", path)
+    common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--resume", path)
     return saved
 
 
