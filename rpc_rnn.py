@@ -24,10 +24,10 @@ Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/vali
         rpc_rnn.py
 
 The trainer prints (the ps says nothing unless it fails); the last lines of a run have this shape:
-    epoch 1 | batch 200/200 | lr 20.00 | <t> ms/batch | loss <loss> | ppl <perplexity> | <n>k tokens/s
+    epoch 1 | batch 200/200 | lr 20.00 | <t> ms/batch | loss <loss> | ppl <perplexity>
     epoch 1 | valid loss <loss> | valid ppl <perplexity> | <t> s/epoch
     test loss <loss> | test ppl <perplexity>
-    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": <loss>, ...}
+    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, ..., "batches": 200, "losses": [...], ...}
 """
 
 import contextlib
@@ -125,17 +125,13 @@ def validate(args):
     check(not args.cuda or common.cuda_device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
     check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
           "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")
-    check(not (args.generate or args.check_gradients) or not (args.save or args.checkpoint_dir or args.resume),
-          "--generate and --check-gradients write and resume nothing: drop --save, --checkpoint-dir and --resume")
-    check(not args.check_gradients or (args.dropout == 0 and not args.generate), "--check-gradients needs "
-          "--dropout 0 (the two sides draw other dropout masks), and no --generate")
+    check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (the two sides draw "
+          "other dropout masks)")
     check(args.checkpoint_dir or not args.resume, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
                                         "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
-    if args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():
-        common.output_file("--checkpoint-dir", str(checkpoint_path(args)))
-        check(args.save is None or Path(args.save).resolve() != checkpoint_path(args).resolve(),
-              f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
+    check(not (args.save and args.checkpoint_dir) or Path(args.save).resolve() != checkpoint_path(args).resolve(),
+          f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -298,7 +294,6 @@ def run_trainer(args, corpus, device, ps_device, saved):
         seed_epoch(args, run.epoch)  # beyond the tutorial: each epoch's dropout masks, the same after a resume
         hidden = init_hidden(model.rnn, args.batch_size, device)
         epoch_start = since = time.perf_counter()
-        count = tokens = 0  # since the last log line
         for batch in range(batches):
             input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
             # create distributed autograd context
@@ -312,16 +307,16 @@ def run_trainer(args, corpus, device, ps_device, saved):
                 opt.step(context_id)
                 on_pieces(model, settle)  # the step's writes done (GPU) before the next window reads the weights
             run.losses.append(loss.item())
-            count, tokens = count + 1, tokens + targets.numel()
+            run.tokens += targets.numel()
             if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
-                seconds, mean = time.perf_counter() - since, sum(run.losses[-count:]) / count
+                count, seconds = batch % args.log_interval + 1, time.perf_counter() - since  # since the last line
+                mean = sum(run.losses[-count:]) / count
                 print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | "
-                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
-                      f"{tokens / seconds / 1000:.1f}k tokens/s", flush=True)
-                run.tokens, run.seconds = run.tokens + tokens, run.seconds + seconds
-                since, count, tokens = time.perf_counter(), 0, 0
+                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f}",
+                      flush=True)
+                run.seconds, since = run.seconds + seconds, time.perf_counter()
         epoch_seconds = time.perf_counter() - epoch_start
-        valid_loss = evaluate(model, valid_data, args.bptt, device)
+        valid_loss = evaluate(model, valid_data, args.bptt)
         print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
               f"{epoch_seconds:.1f} s/epoch", flush=True)
         if valid_loss < run.best_valid:
@@ -334,16 +329,16 @@ def run_trainer(args, corpus, device, ps_device, saved):
         write_checkpoint(args, corpus, model, run)
     if run.best_state is not None:
         load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
-    test_loss = evaluate(model, test_data, args.bptt, device)
+    test_loss = evaluate(model, test_data, args.bptt)
     print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
     report(args, run, len(corpus.words), test_loss, device, ps_device)
 
 
-def evaluate(model, data, bptt, device):
+def evaluate(model, data, bptt):
     """Mean loss per word over a whole split, dropout off. Grad mode does not travel with an RPC: under this no_grad
     the ps still records the autograd graph of its forward, and drops it when the call returns."""
     model.eval()
-    total, hidden = 0.0, init_hidden(model.rnn, data.size(1), device)
+    total, hidden = 0.0, init_hidden(model.rnn, data.size(1), data.device)
     with torch.no_grad():
         for i in range(0, data.size(0) - 1, bptt):
             input, targets = get_batch(data, i, bptt)
@@ -380,7 +375,7 @@ def main(argv=None):
     validate(args)
     if args.generate:
         return generate(args)
-    saved = read_checkpoint(args)
+    saved = read_checkpoint(args, checkpoint_path(args)) if args.resume else None
     corpus = Corpus(common.wikitext2_dir(args.data_dir))
     check_corpus(args, corpus, saved)
     common.launch(run_worker, 2, args, corpus, saved, timeout=args.rpc_timeout)
@@ -579,14 +574,12 @@ def resume(args, model, saved):
 
 
 def report(args, run, ntoken, test_loss, device, ps_device):
-    window = max(1, min(10, len(run.losses) // 4))
+    """The run's JSON line: the training losses of the first 200 batches, the best valid loss, the test loss."""
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=ntoken,
-                       devices={PS_NAME: str(ps_device), TRAINER_NAME: str(device)},
-                       batches=len(run.losses), first_loss=sum(run.losses[:window]) / window,
-                       last_loss=sum(run.losses[-window:]) / window, losses=[round(x, 6) for x in run.losses[:200]],
-                       valid_loss=run.best_valid, valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
-                       test_ppl=math.exp(min(test_loss, 50)), lr=run.lr,
-                       tokens_per_s=run.tokens / run.seconds if run.seconds else 0.0)
+                       devices={PS_NAME: str(ps_device), TRAINER_NAME: str(device)}, batches=len(run.losses),
+                       losses=[round(x, 6) for x in run.losses[:200]], valid_loss=run.best_valid,
+                       valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
+                       test_ppl=math.exp(min(test_loss, 50)), lr=run.lr, tokens_per_s=run.tokens / run.seconds)
 
 
 def save(path, flag, args, corpus, **state):
@@ -615,13 +608,12 @@ def write_checkpoint(args, corpus, model, run):
              recipe=recipe(args), run=vars(run))
 
 
-def read_checkpoint(args):
+def read_checkpoint(args, path):
     """The checkpoint that --resume continues, or None when there is none yet (the run starts from the beginning).
     Read once, before the data and any process: verified (common.load_checkpoint; a checkpoint of another version
     lacks a key), and checked against these flags and the model they build (its vocabulary, once the text is read)."""
-    if not (args.resume and checkpoint_path(args).exists()):
+    if not path.exists():
         return None
-    path = checkpoint_path(args)
     saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=("model", "vocab", "config", "recipe", "run"))
     differ = [f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
               if recipe(args).get(name) != value]
@@ -646,15 +638,13 @@ def generate(args):
     words = saved["vocab"]
     model = common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--load", args.load).eval()
     common.seed_everything(args.seed)
-    input, hidden, sampled = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1), []
+    input, hidden = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1)
     with torch.no_grad():
-        for _ in range(args.generate):
+        for i in range(args.generate):
             logits, hidden = model(input, hidden)
             input.fill_(torch.multinomial(F.softmax(logits.view(-1) / args.temperature, dim=0), 1).item())
-            sampled.append(words[input.item()])
-    for start in range(0, len(sampled), 20):
-        print(" ".join(sampled[start:start + 20]), flush=True)
-    common.emit_result(SCRIPT, mode="generate", words=len(sampled), vocab=len(words))
+            print(words[input.item()], end="\n" if i % 20 == 19 or i + 1 == args.generate else " ")
+    common.emit_result(SCRIPT, mode="generate", words=args.generate, vocab=len(words))
 
 
 if __name__ == "__main__":

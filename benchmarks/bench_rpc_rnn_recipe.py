@@ -72,13 +72,13 @@ def one_process(corpus, args, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-        valid_loss = rpc_rnn.evaluate(model, valid_data, RECIPE.bptt, device)
+        valid_loss = rpc_rnn.evaluate(model, valid_data, RECIPE.bptt)
         if valid_loss < best_valid:
             best_valid, best_state = valid_loss, {k: v.clone() for k, v in model.state_dict().items()}
         else:
             lr /= 4
     model.load_state_dict(best_state)
-    test_loss = rpc_rnn.evaluate(model, test_data, RECIPE.bptt, device)
+    test_loss = rpc_rnn.evaluate(model, test_data, RECIPE.bptt)
     return math.exp(test_loss), sorted(seconds)[len(seconds) // 2]
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from statistics import mean
 
 import psutil
 import pytest
@@ -73,14 +74,14 @@ def trained(text_dir, tmp_path_factory):
 
 def test_loss_falls_and_logs(trained):
     proc, result = trained["proc"], trained["result"]
-    assert result["mode"] == "loss-on-ps" and result["batches"] == 40
-    assert result["last_loss"] < result["first_loss"] - 0.5, result
+    assert result["mode"] == "loss-on-ps" and result["batches"] == len(result["losses"]) == 40
+    assert mean(result["losses"][-10:]) < mean(result["losses"][:10]) - 0.5, result
     # Better than guessing uniformly over the vocabulary, on held-out text.
     assert result["valid_ppl"] < result["ntoken"] / 2 and result["test_ppl"] < result["ntoken"] / 2, result
     lines = proc.stdout.splitlines()
     train_lines = [line for line in lines if "ms/batch" in line]
     assert len(train_lines) == 4, proc.stdout
-    for field in ("batch 10/20", "lr 20.00", "loss", "ppl", "tokens/s"):
+    for field in ("batch 10/20", "lr 20.00", "ms/batch", "loss", "ppl"):
         assert field in train_lines[0], train_lines[0]
     assert sum("valid ppl" in line for line in lines) == 2
     assert any(line.startswith("test loss") and "test ppl" in line for line in lines)
@@ -95,7 +96,7 @@ def test_checkpoint_loads_into_local_model_and_generates(trained, text_dir):
     assert saved["vocab"] == corpus.words
     # The one-process model scores the test text exactly as the distributed run did at its end.
     test_data = rpc_rnn.batchify(corpus.test, rpc_rnn.EVAL_BATCH_SIZE, "cpu")
-    local_test_loss = rpc_rnn.evaluate(model, test_data, 20, "cpu")
+    local_test_loss = rpc_rnn.evaluate(model, test_data, 20)
     assert abs(local_test_loss - trained["result"]["test_loss"]) < 1e-4, (local_test_loss, trained["result"])
 
     proc = run_script("rpc_rnn.py", "--generate", 30, "--load", trained["save"], timeout=60)
@@ -451,7 +452,7 @@ def bad_invocations(text_dir, trained, tmp):
         "save-in-a-missing-folder": bad([*data, "--save", tmp / "missing" / "lm.pt"], "does not exist"),
         "checkpoint-dir-is-a-file": bad([*data, "--checkpoint-dir", tmp / "a-file"], "is not a folder"),
         "checkpoint-is-a-folder": bad([*data, "--checkpoint-dir", tmp / "folder-checkpoint", "--resume"],
-                                      "rpc_rnn.pt: not a regular file"),
+                                      "rpc_rnn.pt: not a readable checkpoint"),
         "save-is-the-checkpoint": bad([*data, "--checkpoint-dir", resume_dir, "--save", resume_dir / "rpc_rnn.pt"],
                                       "is the checkpoint of --checkpoint-dir"),
         "load-missing": bad([*generate, tmp / "nothing.pt"], "no such file"),
@@ -460,10 +461,7 @@ def bad_invocations(text_dir, trained, tmp):
         "resume-without-checkpoint-dir": bad([*data, "--resume"], "--resume needs --checkpoint-dir"),
         "load-without-generate": bad([*data, "--load", trained["save"]], "pass both or neither"),
         "generate-without-load": bad(["--generate", "5"], "pass both or neither"),
-        "generate-and-save": bad([*generate, trained["save"], "--save", tmp / "lm.pt"], "write and resume nothing"),
         "check-gradients-with-dropout": bad([*data, "--check-gradients"], "--check-gradients needs --dropout 0"),
-        "check-gradients-and-resume": bad([*data, "--check-gradients", "--dropout", "0", "--checkpoint-dir",
-                                           resume_dir, "--resume"], "write and resume nothing"),
         "cuda-without-gpu": bad([*data, "--cuda"], "no CUDA GPU"),
         # launcher variables set by hand: checked whole, before the 2M-word corpus is read
         "rank-without-master-addr": bad(data, "MASTER_ADDR not set",
@@ -510,19 +508,17 @@ def bad_invocations(text_dir, trained, tmp):
 BAD_CASES = [
     "bptt-zero", "batch-size-negative", "lr-nan", "clip-inf", "dropout-one", "dropout-negative", "rpc-timeout-zero",
     "rpc-timeout-with-a-unit", "seed-of-20-digits", "seed-negative", "emsize-beyond-int64", "max-batches-fraction",
-    "generate-zero", "temperature-zero", "checkpoint-dir-empty", "data-dir-empty",
-    "save-empty", "load-empty", "save-name-too-long", "data-dir-name-too-long", "checkpoint-dir-name-too-long",
-    "save-to-dev-null", "save-to-a-fifo", "load-a-fifo", "checkpoint-dir-dev-null", "data-dir-dev-null",
-    "save-under-a-file", "checkpoint-dir-under-a-file", "data-dir-is-a-file", "save-is-a-folder",
-    "save-in-a-missing-folder", "checkpoint-dir-is-a-file", "checkpoint-is-a-folder", "save-is-the-checkpoint",
-    "load-missing", "load-is-a-folder", "resume-without-checkpoint-dir",
-    "load-without-generate", "generate-without-load", "generate-and-save", "check-gradients-with-dropout",
-    "check-gradients-and-resume", "cuda-without-gpu", "rank-without-master-addr", "rank-world-size-local-rank-only",
-    "rank-not-below-world-size", "master-port-out-of-range", "three-processes", "load-garbage", "load-truncated",
-    "load-of-another-script", "load-damaged", "load-weights-that-do-not-fit-their-config", "resume-damaged",
-    "resume-another-recipe", "resume-another-version", "resume-weights-that-do-not-fit", "no-data-offline",
-    "train-txt-is-a-folder", "empty-corpus", "one-line-corpus", "not-utf8", "unreadable-train-txt",
-    "resume-another-text",
+    "generate-zero", "temperature-zero", "checkpoint-dir-empty", "data-dir-empty", "save-empty", "load-empty",
+    "save-name-too-long", "data-dir-name-too-long", "checkpoint-dir-name-too-long", "save-to-dev-null",
+    "save-to-a-fifo", "load-a-fifo", "checkpoint-dir-dev-null", "data-dir-dev-null", "save-under-a-file",
+    "checkpoint-dir-under-a-file", "data-dir-is-a-file", "save-is-a-folder", "save-in-a-missing-folder",
+    "checkpoint-dir-is-a-file", "checkpoint-is-a-folder", "save-is-the-checkpoint", "load-missing", "load-is-a-folder",
+    "resume-without-checkpoint-dir", "load-without-generate", "generate-without-load", "check-gradients-with-dropout",
+    "cuda-without-gpu", "rank-without-master-addr", "rank-world-size-local-rank-only", "rank-not-below-world-size",
+    "master-port-out-of-range", "three-processes", "load-garbage", "load-truncated", "load-of-another-script",
+    "load-damaged", "load-weights-that-do-not-fit-their-config", "resume-damaged", "resume-another-recipe",
+    "resume-another-version", "resume-weights-that-do-not-fit", "no-data-offline", "train-txt-is-a-folder",
+    "empty-corpus", "one-line-corpus", "not-utf8", "unreadable-train-txt", "resume-another-text",
 ]
 
 
@@ -603,4 +599,4 @@ def test_two_processes_share_one_gpu_and_learn(text_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["devices"] == {"ps": "cuda:0", "trainer": "cuda:0"}, result
-    assert result["last_loss"] < result["first_loss"] - 0.5, result
+    assert mean(result["losses"][-10:]) < mean(result["losses"][:10]) - 0.5, result
