@@ -94,8 +94,8 @@ class Args:
     """write a checkpoint of the whole run (both processes) to rpc_rnn.pt in this folder after every epoch;
     not given: no checkpoints"""
     resume: bool = False
-    """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning), at the
-    start of the epoch after it, exactly as if the run had never stopped"""
+    """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning): from the
+    start of the epoch after the last one it holds, exactly as if the run had never stopped"""
     # Sampling from a saved model
     generate: Optional[Positive] = None
     """sample N words from the --load file in this process, then exit; not given: train"""

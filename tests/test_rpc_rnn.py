@@ -327,9 +327,11 @@ def test_torchrun_restarts_after_killed_trainers_end_with_the_uninterrupted_loss
     finally:
         kill_all(agent)
     assert agent.returncode == 0, stderr[-3000:]
-    # Each restarted group resumed from the checkpoint of epoch 1: progress was kept, not started again.
-    assert "resuming at epoch 2 from" in first_resume and "resuming at epoch 2 from" in second_resume, (
-        first_resume, second_resume)
+    # Each restarted group resumed from a checkpoint (epoch 1's, unless epoch 2 ended before a kill landed):
+    # progress was kept, not started again.
+    first, second = (int(re.search(r"resuming at epoch (\d+) from", line)[1]) for line in (first_resume,
+                                                                                          second_resume))
+    assert 2 <= first <= second, (first_resume, second_resume)
     result = last_json(rest)
     assert result["losses"] == trained["result"]["losses"]
     assert result["test_loss"] == trained["result"]["test_loss"]
