@@ -16,7 +16,7 @@ Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/vali
     python rpc_rnn.py --cuda --epochs 6 --save lm.pt      # embedding + decoder on a GPU, LSTM on another (or the same)
     python rpc_rnn.py --generate 100 --load lm.pt         # sample 100 words in this process, no RPC
     python rpc_rnn.py --check-gradients --dropout 0 --clip 0.05 --emsize 32 --nhid 32    # distributed == 1 process
-    python rpc_rnn.py --checkpoint-dir ckpt --resume      # checkpoints each epoch; run it again to continue
+    python rpc_rnn.py --checkpoint-dir ckpt --resume      # a checkpoint after each epoch; run it again to continue
     torchrun --standalone --nproc-per-node 2 rpc_rnn.py
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 rpc_rnn.py --checkpoint-dir ckpt --resume
     # two nodes (node rank 0 is the ps, 1 the trainer); MASTER_ADDR = node 0's address on a trusted network:
@@ -24,10 +24,10 @@ Commands (WikiText-2 is downloaded on first use; --data-dir DIR reads train/vali
         rpc_rnn.py
 
 The trainer prints (the ps says nothing unless it fails); the last lines of a run have this shape:
-    epoch 1 | batch 200/200 | lr 20.00 | <t> ms/batch | loss <loss> | ppl <perplexity> | <n>k tokens/s
+    epoch 1 | batch 200/200 | lr 20.00 | <t> ms/batch | loss <loss> | ppl <perplexity>
     epoch 1 | valid loss <loss> | valid ppl <perplexity> | <t> s/epoch
     test loss <loss> | test ppl <perplexity>
-    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, "batches": 200, "first_loss": <loss>, ...}
+    {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, ..., "batches": 200, "losses": [...], ...}
 """
 
 import contextlib
@@ -52,6 +52,7 @@ from common import DataDir, InFile, OutDir, OutFile, Positive, PositiveFloat, Se
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
 SCRIPT = "rpc_rnn"
+EVAL_BATCH_SIZE = 10  # word_language_model's, for the valid and test sets
 
 
 @dataclass
@@ -76,8 +77,6 @@ class Args:
     """training batch size (parallel text streams)"""
     bptt: Positive = 35
     """sequence length of one training window (backpropagation through time)"""
-    eval_batch_size: Positive = 10
-    """batch size for the valid and test sets"""
     max_batches: Optional[Positive] = None
     """train only the first N batches of each epoch; not given: all (2 under --check-gradients)"""
     seed: Seed = 1111
@@ -94,11 +93,9 @@ class Args:
     checkpoint_dir: Optional[OutDir] = None
     """write a checkpoint of the whole run (both processes) to rpc_rnn.pt in this folder after every epoch;
     not given: no checkpoints"""
-    checkpoint_interval: Optional[Positive] = None
-    """also write that checkpoint every N training batches within an epoch; not given: after each epoch only"""
     resume: bool = False
-    """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning): on a CPU,
-    exactly as if the run had never stopped"""
+    """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning): from the
+    start of the epoch after the last one it holds, exactly as if the run had never stopped"""
     # Sampling from a saved model
     generate: Optional[Positive] = None
     """sample N words from the --load file in this process, then exit; not given: train"""
@@ -128,18 +125,13 @@ def validate(args):
     check(not args.cuda or common.cuda_device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
     check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
           "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")
-    check(not (args.generate or args.check_gradients) or not (args.save or args.checkpoint_dir or args.resume),
-          "--generate and --check-gradients write and resume nothing: drop --save, --checkpoint-dir and --resume")
-    check(not args.check_gradients or (args.dropout == 0 and not args.generate), "--check-gradients needs "
-          "--dropout 0 (the two sides draw other dropout masks), and no --generate")
-    check(args.checkpoint_dir or not (args.resume or args.checkpoint_interval),
-          "--resume and --checkpoint-interval need --checkpoint-dir DIR (where the checkpoint is)")
+    check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (the two sides draw "
+          "other dropout masks)")
+    check(args.checkpoint_dir or not args.resume, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
                                         "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
-    if args.checkpoint_dir and Path(args.checkpoint_dir).is_dir():
-        common.output_file("--checkpoint-dir", str(checkpoint_path(args)))
-        check(args.save is None or Path(args.save).resolve() != checkpoint_path(args).resolve(),
-              f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
+    check(not (args.save and args.checkpoint_dir) or Path(args.save).resolve() != checkpoint_path(args).resolve(),
+          f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -292,17 +284,17 @@ def run_trainer(args, corpus, device, ps_device, saved):
     if args.check_gradients:
         return check_gradients(args, corpus, model, device)
     train_data = batchify(corpus.train, args.batch_size, device)
-    valid_data, test_data = (batchify(data, args.eval_batch_size, device) for data in (corpus.valid, corpus.test))
+    valid_data, test_data = (batchify(data, EVAL_BATCH_SIZE, device) for data in (corpus.valid, corpus.test))
     batches = min(math.ceil((train_data.size(0) - 1) / args.bptt), args.max_batches or math.inf)
-    run = resume(args, model, saved, device, ps_device) if saved else start(args)
+    run = resume(args, model, saved) if saved else start(args)
     while run.epoch <= args.epochs:
         # SGD keeps no state but lr: a new optimizer with this epoch's lr continues exactly where the last one was
         opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=run.lr)
         model.train()
-        hidden = run.hidden or init_hidden(model.rnn, args.batch_size, device)
+        seed_epoch(args, run.epoch)  # beyond the tutorial: each epoch's dropout masks, the same after a resume
+        hidden = init_hidden(model.rnn, args.batch_size, device)
         epoch_start = since = time.perf_counter()
-        count = tokens = 0  # since the last log line
-        for batch in range(run.batch, batches):
+        for batch in range(batches):
             input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
             # create distributed autograd context
             with dist_autograd.context() as context_id:
@@ -315,19 +307,16 @@ def run_trainer(args, corpus, device, ps_device, saved):
                 opt.step(context_id)
                 on_pieces(model, settle)  # the step's writes done (GPU) before the next window reads the weights
             run.losses.append(loss.item())
-            count, tokens = count + 1, tokens + targets.numel()
+            run.tokens += targets.numel()
             if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
-                interval, seconds = batch % args.log_interval + 1, time.perf_counter() - since  # a resume included
-                mean = sum(run.losses[-interval:]) / interval
+                count, seconds = batch % args.log_interval + 1, time.perf_counter() - since  # since the last line
+                mean = sum(run.losses[-count:]) / count
                 print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | "
-                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f} | "
-                      f"{tokens / seconds / 1000:.1f}k tokens/s", flush=True)
-                run.tokens, run.seconds = run.tokens + tokens, run.seconds + seconds
-                since, count, tokens = time.perf_counter(), 0, 0
-            if args.checkpoint_interval and (batch + 1) % args.checkpoint_interval == 0 and batch + 1 < batches:
-                write_checkpoint(args, corpus, model, run, device, ps_device, batch=batch + 1, hidden=hidden)
+                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f}",
+                      flush=True)
+                run.seconds, since = run.seconds + seconds, time.perf_counter()
         epoch_seconds = time.perf_counter() - epoch_start
-        valid_loss = evaluate(model, valid_data, args.bptt, args.eval_batch_size, device)
+        valid_loss = evaluate(model, valid_data, args.bptt)
         print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
               f"{epoch_seconds:.1f} s/epoch", flush=True)
         if valid_loss < run.best_valid:
@@ -336,20 +325,20 @@ def run_trainer(args, corpus, device, ps_device, saved):
                 save(args.save, "--save", args, corpus, model=run.best_state, valid_loss=valid_loss)
         else:
             run.lr /= 4
-        run.epoch, run.batch, run.hidden = run.epoch + 1, 0, None
-        write_checkpoint(args, corpus, model, run, device, ps_device)
+        run.epoch += 1
+        write_checkpoint(args, corpus, model, run)
     if run.best_state is not None:
         load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
-    test_loss = evaluate(model, test_data, args.bptt, args.eval_batch_size, device)
+    test_loss = evaluate(model, test_data, args.bptt)
     print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
     report(args, run, len(corpus.words), test_loss, device, ps_device)
 
 
-def evaluate(model, data, bptt, batch_size, device):
+def evaluate(model, data, bptt):
     """Mean loss per word over a whole split, dropout off. Grad mode does not travel with an RPC: under this no_grad
     the ps still records the autograd graph of its forward, and drops it when the call returns."""
     model.eval()
-    total, hidden = 0.0, init_hidden(model.rnn, batch_size, device)
+    total, hidden = 0.0, init_hidden(model.rnn, data.size(1), data.device)
     with torch.no_grad():
         for i in range(0, data.size(0) - 1, bptt):
             input, targets = get_batch(data, i, bptt)
@@ -363,18 +352,15 @@ def run_worker(info, args, corpus, saved):
     # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
     # the same time: each may use every core of the machine while the other waits.
     torch.set_num_threads(common.usable_cpus())
-    common.seed_everything(args.seed + info.rank)  # dropout masks differ per process; initial weights do not
     if args.cuda and args.check_gradients:
         common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
     # The ps takes GPU 0 of its machine; the trainer takes the second GPU of a machine it shares with the ps, if
     # there is one. Tensors sent to the ps land on its GPU and the replies come back, by the map, not .to() calls.
     device = common.pick_device(args.cuda, common.local_gpu_index(info.local_rank))
     ps_device, devices = (torch.device("cuda", 0), [device]) if args.cuda else (torch.device("cpu"), None)
-    if info.rank == 0:
-        common.init_rpc(info, PS_NAME, args.rpc_timeout, devices=devices)
-    else:
-        common.init_rpc(info, TRAINER_NAME, args.rpc_timeout, devices=devices,
-                        device_maps={PS_NAME: {device: ps_device}} if args.cuda else None)
+    common.init_rpc(info, TRAINER_NAME if info.rank else PS_NAME, args.rpc_timeout, devices=devices,
+                    device_maps={PS_NAME: {device: ps_device}} if args.cuda and info.rank else None)
+    if info.rank == 1:
         try:
             run_trainer(args, corpus, device, ps_device, saved)
         except common.RunFailed:  # a full disk, said in one line: shut down in order, so that the ps adds nothing
@@ -389,7 +375,7 @@ def main(argv=None):
     validate(args)
     if args.generate:
         return generate(args)
-    saved = read_checkpoint(args)
+    saved = read_checkpoint(args, checkpoint_path(args)) if args.resume else None
     corpus = Corpus(common.wikitext2_dir(args.data_dir))
     check_corpus(args, corpus, saved)
     common.launch(run_worker, 2, args, corpus, saved, timeout=args.rpc_timeout)
@@ -420,12 +406,10 @@ class Corpus:
 def check_corpus(args, corpus, saved):
     """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
     have been written for this text."""
-    for split, size, flag in (("train", args.batch_size, "--batch-size"),
-                              ("valid", args.eval_batch_size, "--eval-batch-size"),
-                              ("test", args.eval_batch_size, "--eval-batch-size")):
+    for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):
         tokens = getattr(corpus, split).numel()
-        check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {flag} {size}; pass a smaller "
-                                   f"{flag} or more text")
+        check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {size} streams of 2 words or more; "
+                                   f"pass more text" + (" or a smaller --batch-size" if split == "train" else ""))
     check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
           f"(its vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
 
@@ -452,18 +436,15 @@ def pieces(model):
 
 
 def run_on(piece, function, *args):
-    """function(piece, *args), run where the piece lives (by RPC for an RRef), its device settled before and after:
-    it may read what another call wrote (gradients, weights) or write what it does not return."""
-    if isinstance(piece, nn.Module):
-        return _settled(piece, function, *args)
-    return _remote_method(_settled, piece, function, *args)
-
-
-def _settled(module, function, *args):
-    settle(module)
-    result = function(module, *args)
-    settle(module)
-    return None if result is module else result  # nn.Module.train returns the module: RPC would send it whole
+    """function(piece, *args), run where the piece lives (an RRef's by RPC, on its owner, as a module), its device
+    settled before and after: it may read what another call wrote (gradients, weights) or write what it does not
+    return."""
+    if not isinstance(piece, nn.Module):
+        return _remote_method(run_on, piece, function, *args)
+    settle(piece)
+    result = function(piece, *args)
+    settle(piece)
+    return None if result is piece else result  # nn.Module.train returns the module: RPC would send it whole
 
 
 def on_pieces(model, function, *args):
@@ -563,14 +544,12 @@ def check_gradients(args, corpus, model, device):
         local_opt.zero_grad()
         local_loss, local_hidden = local.loss(input, targets, detach_hidden(local_hidden))
         local_loss.backward()
-        local_norm = nn.utils.clip_grad_norm_(local.parameters(), args.clip).item()
+        nn.utils.clip_grad_norm_(local.parameters(), args.clip)
         local_opt.step()
         weights = gathered(model, cpu_state_dict)  # which settles the step's writes too
         worst = [max(worst[0], abs(loss.item() - local_loss.item())),
                  max([worst[1]] + [(grads[name] - p.grad).abs().max().item() for name, p in local.named_parameters()]),
                  max([worst[2]] + [(weights[name] - p).abs().max().item() for name, p in local.state_dict().items()])]
-        print(f"batch {batch + 1} | loss {loss.item():.6f} vs {local_loss.item():.6f} | grad norm {norms[-1]:.5f} "
-              f"vs {local_norm:.5f} | max grad diff {worst[1]:.2e} | max weight diff {worst[2]:.2e}", flush=True)
     common.emit_result(SCRIPT, mode="check-gradients", batches=len(norms), grad_norms=norms, clip=args.clip,
                        compared=len(grads), **dict(zip(("loss_diff", "max_grad_diff", "max_param_diff"), worst)))
 
@@ -580,39 +559,35 @@ def check_gradients(args, corpus, model, device):
 # ---------------------------------------------------------------------------------------------------------
 
 def start(args):
-    """Where a run stands, on the trainer. With the weights and the RNG states of both processes (which draw the
-    dropout masks), it is all a checkpoint needs to continue exactly: SGD keeps no state but lr. `batch` is the next
-    training batch of `epoch`, `hidden` the LSTM state before it when a checkpoint cut an epoch (None: zeros),
-    `best_state` the weights of the best valid loss, under LocalRNNModel's names; `losses` has every batch's, and
-    `tokens` were trained on in `seconds` of training."""
-    return SimpleNamespace(lr=args.lr, epoch=1, batch=0, hidden=None, best_valid=math.inf, best_state=None, losses=[],
-                           tokens=0, seconds=0.0)
+    """Where a run stands, on the trainer, between two epochs. With the weights, it is all a checkpoint needs to
+    continue exactly: SGD keeps no state but lr, each epoch starts from a zero LSTM state, and seed_epoch seeds its
+    dropout masks. `epoch` is the next one, `best_state` the weights of the best valid loss, under LocalRNNModel's
+    names; `losses` has every batch's, and `tokens` were trained on in `seconds` of training."""
+    return SimpleNamespace(lr=args.lr, epoch=1, best_valid=math.inf, best_state=None, losses=[], tokens=0, seconds=0.0)
+
+
+def resume(args, model, saved):
+    """Put the weights of both processes back, and the run where the checkpoint was taken."""
+    load_gathered(model, saved["model"])
+    print(f"resuming at epoch {saved['run']['epoch']} from {checkpoint_path(args)}", flush=True)
+    return SimpleNamespace(**saved["run"])
 
 
 def report(args, run, ntoken, test_loss, device, ps_device):
-    window = max(1, min(10, len(run.losses) // 4))
+    """The run's JSON line: the training losses of the first 200 batches, the best valid loss, the test loss."""
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=ntoken,
-                       devices={PS_NAME: str(ps_device), TRAINER_NAME: str(device)},
-                       batches=len(run.losses), first_loss=sum(run.losses[:window]) / window,
-                       last_loss=sum(run.losses[-window:]) / window, losses=[round(x, 6) for x in run.losses[:200]],
-                       valid_loss=run.best_valid, valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
-                       test_ppl=math.exp(min(test_loss, 50)), lr=run.lr,
-                       tokens_per_s=run.tokens / run.seconds if run.seconds else 0.0)
-
-
-def model_config(args, ntoken):
-    """LocalRNNModel's arguments: LocalRNNModel(**config) builds the model a checkpoint's weights load into."""
-    return {"ntoken": ntoken, "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers, "dropout": args.dropout}
+                       devices={PS_NAME: str(ps_device), TRAINER_NAME: str(device)}, batches=len(run.losses),
+                       losses=[round(x, 6) for x in run.losses[:200]], valid_loss=run.best_valid,
+                       valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
+                       test_ppl=math.exp(min(test_loss, 50)), lr=run.lr, tokens_per_s=run.tokens / run.seconds)
 
 
 def save(path, flag, args, corpus, **state):
     """A file that `LocalRNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])` loads, with ckpt =
     torch.load(path), written atomically by common.save_checkpoint: a failed write keeps the previous file."""
-    common.save_checkpoint(path, SCRIPT, {"vocab": corpus.words, "config": model_config(args, len(corpus.words)),
-                                          **state}, flag)
-
-
-CHECKPOINT_KEYS = ("model", "vocab", "config", "recipe", "run", "rng")
+    config = {"ntoken": len(corpus.words), "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers,
+              "dropout": args.dropout}
+    common.save_checkpoint(path, SCRIPT, {"vocab": corpus.words, "config": config, **state}, flag)
 
 
 def checkpoint_path(args):
@@ -621,65 +596,40 @@ def checkpoint_path(args):
 
 def recipe(args):
     """The flags that a resumed run must share with the run that wrote the checkpoint: they change the math."""
-    return {name: getattr(args, name) for name in ("emsize", "nhid", "nlayers", "dropout", "batch_size",
-                                                   "eval_batch_size", "bptt", "lr", "clip", "seed", "max_batches")}
+    return {name: getattr(args, name) for name in ("emsize", "nhid", "nlayers", "dropout", "batch_size", "bptt", "lr",
+                                                   "clip", "seed", "max_batches")}
 
 
-def write_checkpoint(args, corpus, model, run, device, ps_device, **at):
-    """The whole run, from both processes, in one file in --checkpoint-dir, written by the trainer: the weights
-    (also loadable by --generate), where the run stands (`at` a batch within an epoch, with the LSTM state there),
-    and the RNG states of both processes, which draw the dropout masks."""
+def write_checkpoint(args, corpus, model, run):
+    """The whole run after an epoch, from both processes, in one file in --checkpoint-dir, written by the trainer:
+    the weights (also loadable by --generate) and where the run stands."""
     if args.checkpoint_dir:
-        state = {**vars(run), **at}
-        state["hidden"] = state["hidden"] and tuple(h.cpu() for h in state["hidden"])
-        rng = {TRAINER_NAME: rng_state(device), PS_NAME: rpc.rpc_sync(PS_NAME, rng_state, args=(ps_device,))}
-        save(checkpoint_path(args), "--checkpoint-dir", args, corpus, model=gathered(model, cpu_state_dict), rng=rng,
-             recipe=recipe(args), run=state)
+        save(checkpoint_path(args), "--checkpoint-dir", args, corpus, model=gathered(model, cpu_state_dict),
+             recipe=recipe(args), run=vars(run))
 
 
-def read_checkpoint(args):
+def read_checkpoint(args, path):
     """The checkpoint that --resume continues, or None when there is none yet (the run starts from the beginning).
     Read once, before the data and any process: verified (common.load_checkpoint; a checkpoint of another version
     lacks a key), and checked against these flags and the model they build (its vocabulary, once the text is read)."""
-    if not (args.resume and checkpoint_path(args).exists()):
+    if not path.exists():
         return None
-    path = checkpoint_path(args)
-    saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=CHECKPOINT_KEYS)
+    saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=("model", "vocab", "config", "recipe", "run"))
     differ = [f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
               if recipe(args).get(name) != value]
     check(not differ, f"--resume {path}: written with {', '.join(differ)}; pass the same flags or another "
                       f"--checkpoint-dir")
-    check(saved["run"]["epoch"] - 1 <= args.epochs, f"--resume {path}: holds {saved['run']['epoch'] - 1} finished "
-                                                    f"epochs, more than --epochs {args.epochs}; pass a larger --epochs")
-    model = LocalRNNModel(**model_config(args, len(saved["vocab"])))
-    for weights in filter(None, (saved["model"], saved["run"]["best_state"])):
-        common.check_fits(model, weights, "--resume", path)
+    common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--resume", path)
     return saved
 
 
-def resume(args, model, saved, device, ps_device):
-    """Put both processes back where the checkpoint was taken: weights, RNG states, progress."""
-    load_gathered(model, saved["model"])
-    set_rng_state(saved["rng"][TRAINER_NAME], device)
-    rpc.rpc_sync(PS_NAME, set_rng_state, args=(saved["rng"][PS_NAME], ps_device))
-    run = SimpleNamespace(**saved["run"])
-    run.hidden = run.hidden and tuple(h.to(device) for h in run.hidden)
-    print(f"resuming at epoch {run.epoch} batch {run.batch} from {checkpoint_path(args)}", flush=True)
-    return run
-
-
-def rng_state(device):
-    """The states of this process's generators that draw dropout masks on `device`."""
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(state, device):
-    """Restore rng_state's states. On CUDA, cuDNN's LSTM keeps a dropout state of its own, which torch does not
-    expose and re-seeds from the CUDA generator once that is set: a resumed --cuda run with LSTM dropout draws
-    other masks between the LSTM's layers than an uninterrupted run would."""
-    torch.set_rng_state(state["cpu"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
+def seed_epoch(args, epoch):
+    """Seed the generators that draw the dropout masks, on both processes, from --seed, the epoch and the rank: a
+    run resumed at an epoch's start draws the masks an uninterrupted run draws, with no RNG state in the checkpoint.
+    Epoch 1 uses --seed on the ps and --seed + 1 on the trainer. On CUDA this reaches cuDNN's LSTM too: its dropout
+    state, which torch does not expose, is drawn again from the CUDA generator once that is seeded."""
+    rpc.rpc_sync(PS_NAME, common.seed_everything, args=(args.seed + 2 * (epoch - 1),))
+    common.seed_everything(args.seed + 2 * (epoch - 1) + 1)
 
 
 def generate(args):
@@ -688,15 +638,13 @@ def generate(args):
     words = saved["vocab"]
     model = common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--load", args.load).eval()
     common.seed_everything(args.seed)
-    input, hidden, sampled = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1), []
+    input, hidden = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1)
     with torch.no_grad():
-        for _ in range(args.generate):
+        for i in range(args.generate):
             logits, hidden = model(input, hidden)
             input.fill_(torch.multinomial(F.softmax(logits.view(-1) / args.temperature, dim=0), 1).item())
-            sampled.append(words[input.item()])
-    for start in range(0, len(sampled), 20):
-        print(" ".join(sampled[start:start + 20]), flush=True)
-    common.emit_result(SCRIPT, mode="generate", words=len(sampled), vocab=len(words))
+            print(words[input.item()], end="\n" if i % 20 == 19 or i + 1 == args.generate else " ")
+    common.emit_result(SCRIPT, mode="generate", words=args.generate, vocab=len(words))
 
 
 if __name__ == "__main__":

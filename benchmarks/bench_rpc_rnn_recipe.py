@@ -52,8 +52,8 @@ def one_process(corpus, args, device):
     model = rpc_rnn.LocalRNNModel(len(corpus.words), RECIPE.emsize, RECIPE.nhid, RECIPE.nlayers, RECIPE.dropout,
                              args.seed).to(device)
     train_data = rpc_rnn.batchify(corpus.train, RECIPE.batch_size, device)
-    valid_data = rpc_rnn.batchify(corpus.valid, RECIPE.eval_batch_size, device)
-    test_data = rpc_rnn.batchify(corpus.test, RECIPE.eval_batch_size, device)
+    valid_data = rpc_rnn.batchify(corpus.valid, rpc_rnn.EVAL_BATCH_SIZE, device)
+    test_data = rpc_rnn.batchify(corpus.test, rpc_rnn.EVAL_BATCH_SIZE, device)
     lr, best_valid, best_state, seconds = RECIPE.lr, math.inf, None, []
     for _ in range(args.epochs):
         start = time.perf_counter()
@@ -72,13 +72,13 @@ def one_process(corpus, args, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-        valid_loss = rpc_rnn.evaluate(model, valid_data, RECIPE.bptt, RECIPE.eval_batch_size, device)
+        valid_loss = rpc_rnn.evaluate(model, valid_data, RECIPE.bptt)
         if valid_loss < best_valid:
             best_valid, best_state = valid_loss, {k: v.clone() for k, v in model.state_dict().items()}
         else:
             lr /= 4
     model.load_state_dict(best_state)
-    test_loss = rpc_rnn.evaluate(model, test_data, RECIPE.bptt, RECIPE.eval_batch_size, device)
+    test_loss = rpc_rnn.evaluate(model, test_data, RECIPE.bptt)
     return math.exp(test_loss), sorted(seconds)[len(seconds) // 2]
 
 
