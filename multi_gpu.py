@@ -176,8 +176,7 @@ def exchange(outgoing, destination, incoming, source):
     return dist.batch_isend_irecv(operations) if operations else []
 
 
-ALLREDUCE = {"tutorial": tutorial_allreduce, "ring": ring_allreduce,
-             "builtin": lambda flat, rank, world_size: dist.all_reduce(flat)}
+ALLREDUCE = {"tutorial": tutorial_allreduce, "ring": ring_allreduce, "builtin": lambda flat, *_: dist.all_reduce(flat)}
 
 
 class LeNet(nn.Module):
@@ -202,7 +201,8 @@ class Replica:
         self.params = [nn.Parameter(param) for param in unflatten(flat_params)]
         for param, grad in zip(self.params, unflatten(self.flat_grads)):
             param.grad = grad
-        self.allreduce, self.rank, self.world_size = ALLREDUCE.get(allreduce), rank, world_size
+        # DDP sums the gradients during backward: nothing is left to sum after it.
+        self.allreduce, self.rank, self.world_size = ALLREDUCE.get(allreduce, lambda *_: None), rank, world_size
         # Without device_ids DDP takes the module and the inputs where they are, on a GPU or the CPU.
         self.ddp = allreduce == "ddp" and nn.parallel.DistributedDataParallel(LeNet(self.params))
         # DDP averages the gradients over the k processes: a loss k times larger keeps every variant's update equal.
@@ -212,8 +212,7 @@ class Replica:
         return self.ddp(X) if self.ddp else lenet(X, self.params)
 
     def sum_gradients(self):
-        if not self.ddp:  # DDP has summed them during backward
-            self.allreduce(self.flat_grads, self.rank, self.world_size)
+        self.allreduce(self.flat_grads, self.rank, self.world_size)
 
     def update(self, lr):  # the tutorial's d2l.sgd (the loss is already divided by the batch size)
         self.flat_params.sub_(self.flat_grads, alpha=lr)
