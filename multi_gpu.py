@@ -142,24 +142,23 @@ def tutorial_allreduce(flat, rank, world_size):
 
 
 def ring_allreduce(flat, rank, world_size):
-    """Bandwidth-optimal ring allreduce (the chapter's exercise 3). The buffer is cut into k chunks.
-    Reduce-scatter: in k-1 steps every rank passes one chunk to its right neighbour and adds the chunk arriving
-    from its left, after which rank r holds the full sum of chunk r+1. All-gather: k-1 more steps pass the
-    summed chunks around the ring. Each rank sends and receives 2(k-1)/k of the buffer, whatever k is, where the
-    tutorial's rank 0 moves 2(k-1) whole buffers."""
+    """Bandwidth-optimal ring allreduce (the chapter's exercise 3). The buffer is cut into k chunks, and at step s
+    every rank r sends chunk r-s to its right neighbour and receives chunk r-s-1 from its left. Reduce-scatter: in
+    the first k-1 steps it adds what arrives to its own copy of that chunk, after which rank r holds the full sum of
+    chunk r+1. All-gather: in the k-1 steps that follow it keeps what arrives, so the summed chunks go around the
+    ring. Each rank sends and receives 2(k-1)/k of the buffer, whatever k is, where the tutorial's rank 0 moves
+    2(k-1) whole buffers."""
     chunks = flat.tensor_split(world_size)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     incoming = torch.empty_like(chunks[0])
-    for step in range(world_size - 1):
-        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
-        arriving = incoming[:chunks[receive].numel()]
-        for request in exchange(chunks[send], right, arriving, left):
+    for step in range(2 * (world_size - 1)):
+        send, receive = chunks[(rank - step) % world_size], chunks[(rank - step - 1) % world_size]
+        reducing = step < world_size - 1  # reduce-scatter, then all-gather
+        arriving = incoming[:receive.numel()] if reducing else receive
+        for request in exchange(send, right, arriving, left):
             request.wait()
-        chunks[receive].add_(arriving)
-    for step in range(world_size - 1):
-        send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
-        for request in exchange(chunks[send], right, chunks[receive], left):
-            request.wait()
+        if reducing:
+            receive.add_(arriving)
 
 
 def exchange(outgoing, destination, incoming, source):
