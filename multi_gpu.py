@@ -227,12 +227,11 @@ def shard_step(model, images, labels, index, batch_size):
     split_batch); returns the shard's [loss sum, correct predictions], on the device."""
     X, y = images.index_select(0, index), labels.index_select(0, index)
     logits = model.forward(X)
-    losses = F.cross_entropy(logits, y, reduction="none")
-    # Sum over the shard, divided by the GLOBAL batch size: summed over the processes, this is the mean loss of the
-    # whole batch, as one process would compute it.
-    (losses.sum() * (model.loss_scale / batch_size)).backward()
-    correct = (logits.detach().argmax(1) == y).sum()
-    return torch.stack([losses.detach().sum(), correct.to(losses.dtype)])
+    loss = F.cross_entropy(logits, y, reduction="sum")
+    # The shard's sum divided by the GLOBAL batch size: summed over the processes, this is the mean loss of the whole
+    # batch, as one process would compute it.
+    (loss * (model.loss_scale / batch_size)).backward()
+    return torch.stack([loss.detach(), (logits.argmax(1) == y).sum().to(loss.dtype)])
 
 
 def train_epoch(model, step, images, args, epoch, rank, world_size, learning_rate):
@@ -341,9 +340,8 @@ def recipe(args):
     """What a resumed run must share with the run that wrote the checkpoint (the process count may differ). The
     shuffling of epoch e depends on the seed and e alone, so the parameters and the history are all a resumed run
     needs to continue as if it had never stopped."""
-    names = ["batch_size", "lr", "seed", "limit_train"] + ["lr_scaling", "lr_base_batch", "warmup_epochs"] * (
-        args.lr_scaling != "none")
-    return {name: getattr(args, name) for name in names}
+    return {name: getattr(args, name) for name in ("batch_size", "lr", "seed", "limit_train", "lr_scaling",
+                                                   "lr_base_batch", "warmup_epochs")}
 
 
 def checkpoint_path(args):
@@ -361,11 +359,11 @@ def read_checkpoint(args):
     saved = common.load_checkpoint(path, "multi_gpu", "--resume", keys=("params", "history", "recipe"))
     common.check(saved["recipe"] == recipe(args), f"--resume {path}: written with {saved['recipe']}, not "
                                                   f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
-    params, shape = saved["params"], init_params(0).shape
-    common.check(torch.is_tensor(params) and params.shape == shape, f"--resume {path}: its parameters do not fit "
-                 f"LeNet ({getattr(params, 'shape', type(params))}, not {shape}); pass another --checkpoint-dir")
+    common.check(torch.is_tensor(saved["params"]) and saved["params"].shape == init_params(0).shape,
+                 f"--resume {path}: its parameters do not fit LeNet; pass another --checkpoint-dir")
     common.check(len(saved["history"]) <= args.epochs, f"--resume {path}: holds {len(saved['history'])} epochs, "
                                                        f"more than --epochs {args.epochs}; pass a larger --epochs")
+    print(f"resuming after epoch {len(saved['history'])} from {path}", flush=True)
     return saved
 
 
@@ -420,20 +418,16 @@ def run_worker(info, args, data, saved):
     rank, world_size = info.rank, info.world_size
     device = common.pick_device(args.gpus > 0, common.local_gpu_index(info.local_rank))
     common.set_tf32(args.tf32)  # on GPUs
-    common.init_process_group(info, "nccl" if args.gpus else "gloo", args.timeout,
-                              device_id=device if args.gpus else None)
+    common.init_process_group(info, "nccl" if args.gpus else "gloo", args.timeout, device if args.gpus else None)
     images, labels, test_images, test_labels = to_device(data, args.limit_train, device)
-    # Rank 0's checkpoint (read in main; the other ranks of a torchrun have None) goes to every rank: only rank 0
-    # needs the file, also across machines. Else the same seed on every rank: identical starting copies.
-    state = [saved]
-    dist.broadcast_object_list(state, src=0)
-    start = state[0] or {"params": init_params(args.seed), "history": []}
-    history, model = start["history"], Replica(start["params"].to(device), args.allreduce, rank, world_size)
+    # Rank 0's start goes to every rank: its checkpoint (read in main; the other ranks of a torchrun have None), so
+    # that only rank 0 needs the file, also across machines, or else the seed's parameters.
+    start = [saved or {"params": init_params(args.seed), "history": []}]
+    dist.broadcast_object_list(start, src=0)
+    history, model = start[0]["history"], Replica(start[0]["params"].to(device), args.allreduce, rank, world_size)
     step = lambda index, batch_size: shard_step(model, images, labels, index, batch_size)
     if device.type == "cuda" and args.cuda_graphs and args.allreduce != "ddp":
         step = GraphedSteps(step, model)
-    if rank == 0 and history:
-        print(f"resuming after epoch {len(history)} from {checkpoint_path(args)}", flush=True)
     seconds = []  # of the epochs this run trains
     for epoch in range(len(history), args.epochs):
         started = time.perf_counter()
@@ -448,9 +442,8 @@ def run_worker(info, args, data, saved):
             print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
                   f"{seconds[-1]:.2f} s/epoch | {len(images) / seconds[-1] / 1000:.1f}k samples/s", flush=True)
         if rank == 0 and args.checkpoint_dir:  # atomically: a failed write keeps the previous checkpoint
-            common.save_checkpoint(checkpoint_path(args), "multi_gpu", {
-                "epoch": len(history), "params": model.flat_params.cpu(), "history": history, "recipe": recipe(args)},
-                "--checkpoint-dir")
+            common.save_checkpoint(checkpoint_path(args), "multi_gpu", {"epoch": len(history), "history": history,
+                                   "params": model.flat_params.cpu(), "recipe": recipe(args)}, "--checkpoint-dir")
     # s_per_epoch: the median epoch this run trained (the first includes warm-up); null when it trained none.
     median = sorted(seconds)[len(seconds) // 2] if seconds else None
     if rank == 0:
@@ -459,8 +452,7 @@ def run_worker(info, args, data, saved):
                            **{key: history[-1][key] for key in ("loss", "train_acc", "test_acc")},
                            s_per_epoch=median, samples_per_s=median and len(images) / median, history=history)
         if args.plot:  # after the JSON line: a plot that cannot be written loses neither it nor a checkpoint
-            common.save_figure(learning_curve(history), args.plot, "--plot", kept="the JSON result is printed and "
-                                                                                  "the checkpoints are kept")
+            common.save_figure(learning_curve(history), args.plot, "--plot", kept="the result and checkpoints are kept")
     dist.destroy_process_group()
 
 
