@@ -103,9 +103,8 @@ PARAM_SHAPES = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,),
 def init_params(seed, scale=0.01):
     """The tutorial's initialisation: weights N(0, scale^2), biases zero, one flat tensor (float32, CPU)."""
     generator = torch.Generator().manual_seed(seed)
-    pieces = [torch.randn(shape, generator=generator) * scale if len(shape) > 1 else torch.zeros(shape)
-              for shape in PARAM_SHAPES]
-    return torch.cat([piece.reshape(-1) for piece in pieces])
+    return torch.cat([torch.randn(math.prod(shape), generator=generator) * scale if len(shape) > 1
+                      else torch.zeros(math.prod(shape)) for shape in PARAM_SHAPES])
 
 
 def unflatten(flat):
@@ -372,10 +371,9 @@ def learning_curve(history):
     from matplotlib.figure import Figure
 
     axis = Figure(figsize=(6, 4)).subplots()
-    for key in ("loss", "train_acc", "test_acc"):
-        axis.plot([h["epoch"] for h in history], [h[key] for h in history], "o-", label=key.replace("_", " "))
+    axis.plot([h["epoch"] for h in history], [[h["loss"], h["train_acc"], h["test_acc"]] for h in history], "o-")
     axis.set(xlabel="epoch")
-    axis.legend()
+    axis.legend(["loss", "train acc", "test acc"])
     return axis.figure
 
 
