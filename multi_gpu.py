@@ -285,16 +285,8 @@ def learning_rate(args, step, steps_per_epoch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: the data on the device, CUDA graphs
+# Beyond the tutorial: CUDA graphs
 # ---------------------------------------------------------------------------------------------------------
-
-def to_device(data, limit_train, device):
-    """(train images, train labels, test images, test labels), all on the device, the images as floats [N, 1, 28, 28]
-    in [0, 1] (what the tutorial's ToTensor gives): a step then needs no loader and no host copy, only an index."""
-    train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in data)
-    return (train_x[:limit_train].unsqueeze(1).float() / 255, train_y[:limit_train],
-            test_x.unsqueeze(1).float() / 255, test_y)
-
 
 class GraphedSteps:
     """step(index, batch_size) (shard_step) captured as a CUDA graph, one per shape, then replayed. Lives in every
@@ -335,6 +327,9 @@ class GraphedSteps:
 # Beyond the tutorial: checkpoints (resume with any process count) and the learning curve
 # ---------------------------------------------------------------------------------------------------------
 
+CHECKPOINT = "multi_gpu.pt"  # the file in --checkpoint-dir
+
+
 def recipe(args):
     """What a resumed run must share with the run that wrote the checkpoint (the process count may differ). The
     shuffling of epoch e depends on the seed and e alone, so the parameters and the history are all a resumed run
@@ -343,14 +338,11 @@ def recipe(args):
                                                    "lr_base_batch", "warmup_epochs")}
 
 
-def checkpoint_path(args):
-    return Path(args.checkpoint_dir, "multi_gpu.pt")
-
-
 def read_checkpoint(args):
-    """The checkpoint to resume from, verified (common.load_checkpoint) and checked against this run: its recipe, its
-    parameters, its epochs. None without --resume or before the first checkpoint is written."""
-    path = checkpoint_path(args)
+    """The checkpoint to resume from, verified (common.load_checkpoint) and checked against this run (its recipe, its
+    parameters, its epochs), after a line on stdout that says so. None without --resume or before the first
+    checkpoint is written."""
+    path = Path(args.checkpoint_dir, CHECKPOINT)
     if path.parent.is_dir():  # a file this run may replace, or nothing yet
         common.output_file("--checkpoint-dir", str(path))
     if not (args.resume and path.exists()):
@@ -395,11 +387,9 @@ def validate(args):
                                   f"or pass --gpus 0 to train on CPUs")
     common.check(torchrun or args.gpus <= gpus_here, f"--gpus {args.gpus}: this machine has {gpus_here} GPUs; pass "
                                                      f"--gpus {gpus_here}" + " to train on CPUs" * (not gpus_here))
-    if not (torchrun or args.gpus):
-        common.check_processes("--procs", args.procs, args.oversubscribe)
+    common.check_processes("--procs", args.procs, args.oversubscribe)
     processes = torchrun["WORLD_SIZE"] if torchrun else args.gpus or args.procs
-    common.check(args.batch_size is None or args.batch_per_device is None,
-                 "--batch-size (global) and --batch-per-device exclude each other; pass one of them")
+    common.check(not (args.batch_size and args.batch_per_device), "pass --batch-size or --batch-per-device, not both")
     args.batch_size = args.batch_per_device * processes if args.batch_per_device else args.batch_size or 256
     common.check(args.batch_size >= processes, f"--batch-size {args.batch_size}: smaller than the {processes} "
                                                f"processes, and every process needs a shard; pass a larger one")
@@ -417,9 +407,13 @@ def run_worker(info, args, data, saved):
     device = common.pick_device(args.gpus > 0, common.local_gpu_index(info.local_rank))
     common.set_tf32(args.tf32)  # on GPUs
     common.init_process_group(info, "nccl" if args.gpus else "gloo", args.timeout, device if args.gpus else None)
-    images, labels, test_images, test_labels = to_device(data, args.limit_train, device)
-    # Rank 0's start goes to every rank: its checkpoint (read in main; the other ranks of a torchrun have None), so
-    # that only rank 0 needs the file, also across machines, or else the seed's parameters.
+    # The whole data set on the device, the images as floats [N, 1, 28, 28] in [0, 1] (what the tutorial's ToTensor
+    # gives): a step needs no loader and no host copy, only an index.
+    train_x, train_y, test_x, test_labels = (tensor.to(device) for tensor in data)
+    images, labels = train_x[:args.limit_train].unsqueeze(1).float() / 255, train_y[:args.limit_train]
+    test_images = test_x.unsqueeze(1).float() / 255
+    # Rank 0's start wins on every rank: the checkpoint it read in main (so only rank 0 needs the file, also across
+    # machines; the other ranks of a torchrun have None), or else the seed's parameters, the same on every rank.
     start = [saved or {"params": init_params(args.seed), "history": []}]
     dist.broadcast_object_list(start, src=0)
     history, model = start[0]["history"], Replica(start[0]["params"].to(device), args.allreduce, rank, world_size)
@@ -440,8 +434,8 @@ def run_worker(info, args, data, saved):
             print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
                   f"{seconds[-1]:.2f} s/epoch | {len(images) / seconds[-1] / 1000:.1f}k samples/s", flush=True)
         if rank == 0 and args.checkpoint_dir:  # atomically: a failed write keeps the previous checkpoint
-            common.save_checkpoint(checkpoint_path(args), "multi_gpu", {"epoch": len(history), "history": history,
-                                   "params": model.flat_params.cpu(), "recipe": recipe(args)}, "--checkpoint-dir")
+            state = dict(epoch=len(history), params=model.flat_params.cpu(), history=history, recipe=recipe(args))
+            common.save_checkpoint(Path(args.checkpoint_dir, CHECKPOINT), "multi_gpu", state, "--checkpoint-dir")
     # s_per_epoch: the median epoch this run trained (the first includes warm-up); null when it trained none.
     median = sorted(seconds)[len(seconds) // 2] if seconds else None
     if rank == 0:

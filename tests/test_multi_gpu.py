@@ -428,7 +428,7 @@ BAD_INPUT = {
                         None, None),
     # flags that do not go together
     "batch per device and batch size": (["--batch-per-device", 64, "--batch-size", 128],
-                                        ["--batch-size (global) and --batch-per-device exclude"], None, None),
+                                        ["pass --batch-size or --batch-per-device, not both"], None, None),
     "warmup without scaling": (["--warmup-epochs", 2], ["pass --lr-scaling linear or sqrt"], None, None),
     "lr scaling unknown": (["--lr-scaling", "cubic"], ["invalid choice: 'cubic'"], None, None),
     "allreduce unknown": (["--allreduce", "tree"], ["invalid choice: 'tree'"], None, None),
