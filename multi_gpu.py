@@ -103,9 +103,8 @@ PARAM_SHAPES = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,),
 def init_params(seed, scale=0.01):
     """The tutorial's initialisation: weights N(0, scale^2), biases zero, one flat tensor (float32, CPU)."""
     generator = torch.Generator().manual_seed(seed)
-    pieces = [torch.randn(shape, generator=generator) * scale if len(shape) > 1 else torch.zeros(shape)
-              for shape in PARAM_SHAPES]
-    return torch.cat([piece.reshape(-1) for piece in pieces])
+    return torch.cat([torch.randn(math.prod(shape), generator=generator) * scale if len(shape) > 1
+                      else torch.zeros(math.prod(shape)) for shape in PARAM_SHAPES])
 
 
 def unflatten(flat):
@@ -142,24 +141,23 @@ def tutorial_allreduce(flat, rank, world_size):
 
 
 def ring_allreduce(flat, rank, world_size):
-    """Bandwidth-optimal ring allreduce (the chapter's exercise 3). The buffer is cut into k chunks.
-    Reduce-scatter: in k-1 steps every rank passes one chunk to its right neighbour and adds the chunk arriving
-    from its left, after which rank r holds the full sum of chunk r+1. All-gather: k-1 more steps pass the
-    summed chunks around the ring. Each rank sends and receives 2(k-1)/k of the buffer, whatever k is, where the
-    tutorial's rank 0 moves 2(k-1) whole buffers."""
+    """Bandwidth-optimal ring allreduce (the chapter's exercise 3). The buffer is cut into k chunks, and at step s
+    every rank r sends chunk r-s to its right neighbour and receives chunk r-s-1 from its left. Reduce-scatter: in
+    the first k-1 steps it adds what arrives to its own copy of that chunk, after which rank r holds the full sum of
+    chunk r+1. All-gather: in the k-1 steps that follow it keeps what arrives, so the summed chunks go around the
+    ring. Each rank sends and receives 2(k-1)/k of the buffer, whatever k is, where the tutorial's rank 0 moves
+    2(k-1) whole buffers."""
     chunks = flat.tensor_split(world_size)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     incoming = torch.empty_like(chunks[0])
-    for step in range(world_size - 1):
-        send, receive = (rank - step) % world_size, (rank - step - 1) % world_size
-        arriving = incoming[:chunks[receive].numel()]
-        for request in exchange(chunks[send], right, arriving, left):
+    for step in range(2 * (world_size - 1)):
+        send, receive = chunks[(rank - step) % world_size], chunks[(rank - step - 1) % world_size]
+        reducing = step < world_size - 1  # reduce-scatter, then all-gather
+        arriving = incoming[:receive.numel()] if reducing else receive
+        for request in exchange(send, right, arriving, left):
             request.wait()
-        chunks[receive].add_(arriving)
-    for step in range(world_size - 1):
-        send, receive = (rank + 1 - step) % world_size, (rank - step) % world_size
-        for request in exchange(chunks[send], right, chunks[receive], left):
-            request.wait()
+        if reducing:
+            receive.add_(arriving)
 
 
 def exchange(outgoing, destination, incoming, source):
@@ -176,8 +174,7 @@ def exchange(outgoing, destination, incoming, source):
     return dist.batch_isend_irecv(operations) if operations else []
 
 
-ALLREDUCE = {"tutorial": tutorial_allreduce, "ring": ring_allreduce,
-             "builtin": lambda flat, rank, world_size: dist.all_reduce(flat)}
+ALLREDUCE = {"tutorial": tutorial_allreduce, "ring": ring_allreduce, "builtin": lambda flat, *_: dist.all_reduce(flat)}
 
 
 class LeNet(nn.Module):
@@ -202,7 +199,8 @@ class Replica:
         self.params = [nn.Parameter(param) for param in unflatten(flat_params)]
         for param, grad in zip(self.params, unflatten(self.flat_grads)):
             param.grad = grad
-        self.allreduce, self.rank, self.world_size = ALLREDUCE.get(allreduce), rank, world_size
+        # DDP sums the gradients during backward: nothing is left to sum after it.
+        self.allreduce, self.rank, self.world_size = ALLREDUCE.get(allreduce, lambda *_: None), rank, world_size
         # Without device_ids DDP takes the module and the inputs where they are, on a GPU or the CPU.
         self.ddp = allreduce == "ddp" and nn.parallel.DistributedDataParallel(LeNet(self.params))
         # DDP averages the gradients over the k processes: a loss k times larger keeps every variant's update equal.
@@ -212,8 +210,7 @@ class Replica:
         return self.ddp(X) if self.ddp else lenet(X, self.params)
 
     def sum_gradients(self):
-        if not self.ddp:  # DDP has summed them during backward
-            self.allreduce(self.flat_grads, self.rank, self.world_size)
+        self.allreduce(self.flat_grads, self.rank, self.world_size)
 
     def update(self, lr):  # the tutorial's d2l.sgd (the loss is already divided by the batch size)
         self.flat_params.sub_(self.flat_grads, alpha=lr)
@@ -229,12 +226,11 @@ def shard_step(model, images, labels, index, batch_size):
     split_batch); returns the shard's [loss sum, correct predictions], on the device."""
     X, y = images.index_select(0, index), labels.index_select(0, index)
     logits = model.forward(X)
-    losses = F.cross_entropy(logits, y, reduction="none")
-    # Sum over the shard, divided by the GLOBAL batch size: summed over the processes, this is the mean loss of the
-    # whole batch, as one process would compute it.
-    (losses.sum() * (model.loss_scale / batch_size)).backward()
-    correct = (logits.detach().argmax(1) == y).sum()
-    return torch.stack([losses.detach().sum(), correct.to(losses.dtype)])
+    loss = F.cross_entropy(logits, y, reduction="sum")
+    # The shard's sum divided by the GLOBAL batch size: summed over the processes, this is the mean loss of the whole
+    # batch, as one process would compute it.
+    (loss * (model.loss_scale / batch_size)).backward()
+    return torch.stack([loss.detach(), (logits.argmax(1) == y).sum().to(loss.dtype)])
 
 
 def train_epoch(model, step, images, args, epoch, rank, world_size, learning_rate):
@@ -289,16 +285,8 @@ def learning_rate(args, step, steps_per_epoch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: the data on the device, CUDA graphs
+# Beyond the tutorial: CUDA graphs
 # ---------------------------------------------------------------------------------------------------------
-
-def to_device(data, limit_train, device):
-    """(train images, train labels, test images, test labels), all on the device, the images as floats [N, 1, 28, 28]
-    in [0, 1] (what the tutorial's ToTensor gives): a step then needs no loader and no host copy, only an index."""
-    train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in data)
-    return (train_x[:limit_train].unsqueeze(1).float() / 255, train_y[:limit_train],
-            test_x.unsqueeze(1).float() / 255, test_y)
-
 
 class GraphedSteps:
     """step(index, batch_size) (shard_step) captured as a CUDA graph, one per shape, then replayed. Lives in every
@@ -339,23 +327,22 @@ class GraphedSteps:
 # Beyond the tutorial: checkpoints (resume with any process count) and the learning curve
 # ---------------------------------------------------------------------------------------------------------
 
+CHECKPOINT = "multi_gpu.pt"  # the file in --checkpoint-dir
+
+
 def recipe(args):
     """What a resumed run must share with the run that wrote the checkpoint (the process count may differ). The
     shuffling of epoch e depends on the seed and e alone, so the parameters and the history are all a resumed run
     needs to continue as if it had never stopped."""
-    names = ["batch_size", "lr", "seed", "limit_train"] + ["lr_scaling", "lr_base_batch", "warmup_epochs"] * (
-        args.lr_scaling != "none")
-    return {name: getattr(args, name) for name in names}
-
-
-def checkpoint_path(args):
-    return Path(args.checkpoint_dir, "multi_gpu.pt")
+    return {name: getattr(args, name) for name in ("batch_size", "lr", "seed", "limit_train", "lr_scaling",
+                                                   "lr_base_batch", "warmup_epochs")}
 
 
 def read_checkpoint(args):
-    """The checkpoint to resume from, verified (common.load_checkpoint) and checked against this run: its recipe, its
-    parameters, its epochs. None without --resume or before the first checkpoint is written."""
-    path = checkpoint_path(args)
+    """The checkpoint to resume from, verified (common.load_checkpoint) and checked against this run (its recipe, its
+    parameters, its epochs), after a line on stdout that says so. None without --resume or before the first
+    checkpoint is written."""
+    path = Path(args.checkpoint_dir, CHECKPOINT)
     if path.parent.is_dir():  # a file this run may replace, or nothing yet
         common.output_file("--checkpoint-dir", str(path))
     if not (args.resume and path.exists()):
@@ -363,11 +350,11 @@ def read_checkpoint(args):
     saved = common.load_checkpoint(path, "multi_gpu", "--resume", keys=("params", "history", "recipe"))
     common.check(saved["recipe"] == recipe(args), f"--resume {path}: written with {saved['recipe']}, not "
                                                   f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
-    params, shape = saved["params"], init_params(0).shape
-    common.check(torch.is_tensor(params) and params.shape == shape, f"--resume {path}: its parameters do not fit "
-                 f"LeNet ({getattr(params, 'shape', type(params))}, not {shape}); pass another --checkpoint-dir")
+    common.check(torch.is_tensor(saved["params"]) and saved["params"].shape == init_params(0).shape,
+                 f"--resume {path}: its parameters do not fit LeNet; pass another --checkpoint-dir")
     common.check(len(saved["history"]) <= args.epochs, f"--resume {path}: holds {len(saved['history'])} epochs, "
                                                        f"more than --epochs {args.epochs}; pass a larger --epochs")
+    print(f"resuming after epoch {len(saved['history'])} from {path}", flush=True)
     return saved
 
 
@@ -376,10 +363,9 @@ def learning_curve(history):
     from matplotlib.figure import Figure
 
     axis = Figure(figsize=(6, 4)).subplots()
-    for key in ("loss", "train_acc", "test_acc"):
-        axis.plot([h["epoch"] for h in history], [h[key] for h in history], "o-", label=key.replace("_", " "))
+    axis.plot([h["epoch"] for h in history], [[h["loss"], h["train_acc"], h["test_acc"]] for h in history], "o-")
     axis.set(xlabel="epoch")
-    axis.legend()
+    axis.legend(["loss", "train acc", "test acc"])
     return axis.figure
 
 
@@ -401,11 +387,9 @@ def validate(args):
                                   f"or pass --gpus 0 to train on CPUs")
     common.check(torchrun or args.gpus <= gpus_here, f"--gpus {args.gpus}: this machine has {gpus_here} GPUs; pass "
                                                      f"--gpus {gpus_here}" + " to train on CPUs" * (not gpus_here))
-    if not (torchrun or args.gpus):
-        common.check_processes("--procs", args.procs, args.oversubscribe)
+    common.check_processes("--procs", args.procs, args.oversubscribe)
     processes = torchrun["WORLD_SIZE"] if torchrun else args.gpus or args.procs
-    common.check(args.batch_size is None or args.batch_per_device is None,
-                 "--batch-size (global) and --batch-per-device exclude each other; pass one of them")
+    common.check(not (args.batch_size and args.batch_per_device), "pass --batch-size or --batch-per-device, not both")
     args.batch_size = args.batch_per_device * processes if args.batch_per_device else args.batch_size or 256
     common.check(args.batch_size >= processes, f"--batch-size {args.batch_size}: smaller than the {processes} "
                                                f"processes, and every process needs a shard; pass a larger one")
@@ -422,20 +406,20 @@ def run_worker(info, args, data, saved):
     rank, world_size = info.rank, info.world_size
     device = common.pick_device(args.gpus > 0, common.local_gpu_index(info.local_rank))
     common.set_tf32(args.tf32)  # on GPUs
-    common.init_process_group(info, "nccl" if args.gpus else "gloo", args.timeout,
-                              device_id=device if args.gpus else None)
-    images, labels, test_images, test_labels = to_device(data, args.limit_train, device)
-    # Rank 0's checkpoint (read in main; the other ranks of a torchrun have None) goes to every rank: only rank 0
-    # needs the file, also across machines. Else the same seed on every rank: identical starting copies.
-    state = [saved]
-    dist.broadcast_object_list(state, src=0)
-    start = state[0] or {"params": init_params(args.seed), "history": []}
-    history, model = start["history"], Replica(start["params"].to(device), args.allreduce, rank, world_size)
+    common.init_process_group(info, "nccl" if args.gpus else "gloo", args.timeout, device if args.gpus else None)
+    # The whole data set on the device, the images as floats [N, 1, 28, 28] in [0, 1] (what the tutorial's ToTensor
+    # gives): a step needs no loader and no host copy, only an index.
+    train_x, train_y, test_x, test_labels = (tensor.to(device) for tensor in data)
+    images, labels = train_x[:args.limit_train].unsqueeze(1).float() / 255, train_y[:args.limit_train]
+    test_images = test_x.unsqueeze(1).float() / 255
+    # Rank 0's start wins on every rank: the checkpoint it read in main (so only rank 0 needs the file, also across
+    # machines; the other ranks of a torchrun have None), or else the seed's parameters, the same on every rank.
+    start = [saved or {"params": init_params(args.seed), "history": []}]
+    dist.broadcast_object_list(start, src=0)
+    history, model = start[0]["history"], Replica(start[0]["params"].to(device), args.allreduce, rank, world_size)
     step = lambda index, batch_size: shard_step(model, images, labels, index, batch_size)
     if device.type == "cuda" and args.cuda_graphs and args.allreduce != "ddp":
         step = GraphedSteps(step, model)
-    if rank == 0 and history:
-        print(f"resuming after epoch {len(history)} from {checkpoint_path(args)}", flush=True)
     seconds = []  # of the epochs this run trains
     for epoch in range(len(history), args.epochs):
         started = time.perf_counter()
@@ -450,9 +434,8 @@ def run_worker(info, args, data, saved):
             print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
                   f"{seconds[-1]:.2f} s/epoch | {len(images) / seconds[-1] / 1000:.1f}k samples/s", flush=True)
         if rank == 0 and args.checkpoint_dir:  # atomically: a failed write keeps the previous checkpoint
-            common.save_checkpoint(checkpoint_path(args), "multi_gpu", {
-                "epoch": len(history), "params": model.flat_params.cpu(), "history": history, "recipe": recipe(args)},
-                "--checkpoint-dir")
+            state = dict(epoch=len(history), params=model.flat_params.cpu(), history=history, recipe=recipe(args))
+            common.save_checkpoint(Path(args.checkpoint_dir, CHECKPOINT), "multi_gpu", state, "--checkpoint-dir")
     # s_per_epoch: the median epoch this run trained (the first includes warm-up); null when it trained none.
     median = sorted(seconds)[len(seconds) // 2] if seconds else None
     if rank == 0:
@@ -461,8 +444,7 @@ def run_worker(info, args, data, saved):
                            **{key: history[-1][key] for key in ("loss", "train_acc", "test_acc")},
                            s_per_epoch=median, samples_per_s=median and len(images) / median, history=history)
         if args.plot:  # after the JSON line: a plot that cannot be written loses neither it nor a checkpoint
-            common.save_figure(learning_curve(history), args.plot, "--plot", kept="the JSON result is printed and "
-                                                                                  "the checkpoints are kept")
+            common.save_figure(learning_curve(history), args.plot, "--plot", kept="the result and checkpoints are kept")
     dist.destroy_process_group()
 
 

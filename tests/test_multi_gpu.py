@@ -369,7 +369,8 @@ def checkpoint_in(folder, script="multi_gpu", epochs=1, lr=0.2, damage=None, par
     folder.mkdir(exist_ok=True)
     path = folder / "multi_gpu.pt"
     history = [{"epoch": e + 1, "loss": 1.0, "train_acc": 0.5, "test_acc": 0.5, "seconds": 1.0} for e in range(epochs)]
-    recipe = {"batch_size": 256, "lr": lr, "seed": 0, "limit_train": None}
+    recipe = {"batch_size": 256, "lr": lr, "seed": 0, "limit_train": None, "lr_scaling": "none", "lr_base_batch": 256,
+              "warmup_epochs": None}
     params = multi_gpu.init_params(0) if params is None else params
     common.save_checkpoint(path, script, state or {"epoch": epochs, "params": params, "history": history,
                                                    "recipe": recipe})
@@ -427,7 +428,7 @@ BAD_INPUT = {
                         None, None),
     # flags that do not go together
     "batch per device and batch size": (["--batch-per-device", 64, "--batch-size", 128],
-                                        ["--batch-size (global) and --batch-per-device exclude"], None, None),
+                                        ["pass --batch-size or --batch-per-device, not both"], None, None),
     "warmup without scaling": (["--warmup-epochs", 2], ["pass --lr-scaling linear or sqrt"], None, None),
     "lr scaling unknown": (["--lr-scaling", "cubic"], ["invalid choice: 'cubic'"], None, None),
     "allreduce unknown": (["--allreduce", "tree"], ["invalid choice: 'tree'"], None, None),
@@ -503,7 +504,7 @@ BAD_INPUT = {
     "checkpoint of more epochs": (["--checkpoint-dir", "{tmp}/ck", "--resume"], ["holds 3 epochs, more than"],
                                   lambda tmp: checkpoint_in(tmp / "ck", epochs=3), None),
     "checkpoint with another parameter count (new)": (
-        ["--checkpoint-dir", "{tmp}/ck", "--resume"], ["its parameters do not fit LeNet", "129058"],
+        ["--checkpoint-dir", "{tmp}/ck", "--resume"], ["its parameters do not fit LeNet"],
         lambda tmp: checkpoint_in(tmp / "ck", params=torch.zeros(129_058)), None),
     "checkpoint whose parameters are not a tensor (new)": (
         ["--checkpoint-dir", "{tmp}/ck", "--resume"], ["its parameters do not fit LeNet"],
