@@ -53,7 +53,6 @@ import numpy as np
 import pandas as pd
 import psutil
 import torch
-import torch.nn.functional as F
 from syne_tune import Reporter, StoppingCriterion, Tuner
 from syne_tune.backend import LocalBackend
 from syne_tune.backend.trial_status import Status, Trial
@@ -212,7 +211,7 @@ def hpo_objective_lenet_synetune(config, model=None, device="cpu"):
     for epoch in range(1, config["max_epochs"] + 1):
         model.train()
         for index in torch.randperm(len(train_x), generator=order).to(device).split(config["batch_size"]):
-            loss = F.cross_entropy(model(as_input(train_x[index])), train_y[index])
+            loss = nn.functional.cross_entropy(model(as_input(train_x[index])), train_y[index])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -262,10 +261,9 @@ def plot_figures(results, folder):
     for _, trial in results.groupby("trial_id"):
         ax.plot(trial[ST_TUNER_TIME], trial[METRIC], marker="o", markersize=3)
     ax.set(xlabel="wall-clock time (s)", ylabel="objective function", title="learning curve of every trial")
-    paths = {"incumbent": folder / "incumbent.png", "learning_curves": folder / "learning_curves.png"}
-    common.save_figure(incumbent, paths["incumbent"], "--results-dir")
-    common.save_figure(curves, paths["learning_curves"], "--results-dir")
-    return paths
+    for name, figure in (("incumbent", incumbent), ("learning_curves", curves)):
+        common.save_figure(figure, folder / f"{name}.png", "--results-dir")
+    return {"incumbent": folder / "incumbent.png", "learning_curves": folder / "learning_curves.png"}
 
 
 # --- Beyond the tutorial: other schedulers, --max-trials, and the exercises' model and local searcher ---
@@ -500,11 +498,10 @@ def messages_to(path):
 
 def stop_on_signals():
     """SIGINT and SIGTERM end the search with one line and exit status 128 + the signal: a SystemExit, on which Syne
-    Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone). Further signals are ignored, so
-    that they cannot cut that clean-up short."""
+    Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone). The same signal again (a second
+    Ctrl-C) is ignored, so that it cannot cut that clean-up short."""
     def interrupt(signum, frame):
-        for other in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(other, signal.SIG_IGN)
+        signal.signal(signum, signal.SIG_IGN)
         print(f"{Path(sys.argv[0]).name}: {signal.Signals(signum).name}: every trial is stopped", file=sys.stderr)
         sys.exit(128 + signum)
     for signum in (signal.SIGINT, signal.SIGTERM):
