@@ -34,6 +34,7 @@ std.out and std.err. The console gets one line per trial event, a table of every
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -52,11 +53,10 @@ import numpy as np
 import pandas as pd
 import psutil
 import torch
-import torch.nn.functional as F
 from syne_tune import Reporter, StoppingCriterion, Tuner
 from syne_tune.backend import LocalBackend
 from syne_tune.backend.trial_status import Status, Trial
-from syne_tune.config_space import Domain, Integer, is_log_space, lograndint, loguniform, randint, uniform
+from syne_tune.config_space import Domain, is_log_space, lograndint, loguniform, randint, uniform
 from syne_tune.constants import ST_CONFIG_JSON_FNAME_ARG, ST_TUNER_TIME
 from syne_tune.experiments import load_experiment
 from syne_tune.optimizer.baselines import ASHA, TPE, BOTorch, RandomSearch
@@ -166,20 +166,14 @@ def init_cnn(module):
         nn.init.xavier_uniform_(module.weight)
 
 
-class LeNet(nn.Module):
-    """LeNet-5 for 28x28 grey images, as the tutorial builds it: sigmoid, average pooling, Xavier initialisation."""
-
-    def __init__(self, activation="sigmoid", num_classes=10):
-        super().__init__()
-        act = {"sigmoid": nn.Sigmoid, "relu": nn.ReLU}[activation]
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 6, kernel_size=5, padding=2), act(), nn.AvgPool2d(kernel_size=2, stride=2),
-            nn.Conv2d(6, 16, kernel_size=5), act(), nn.AvgPool2d(kernel_size=2, stride=2),
-            nn.Flatten(), nn.Linear(16 * 5 * 5, 120), act(), nn.Linear(120, 84), act(), nn.Linear(84, num_classes))
-        self.apply(init_cnn)
-
-    def forward(self, images):
-        return self.net(images)
+def lenet(activation="sigmoid", num_classes=10):
+    """The tutorial's LeNet-5 for 28x28 grey images (its `net`): sigmoid, average pooling, Xavier initialisation."""
+    act = {"sigmoid": nn.Sigmoid, "relu": nn.ReLU}[activation]
+    net = nn.Sequential(
+        nn.Conv2d(1, 6, kernel_size=5, padding=2), act(), nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Conv2d(6, 16, kernel_size=5), act(), nn.AvgPool2d(kernel_size=2, stride=2),
+        nn.Flatten(), nn.Linear(16 * 5 * 5, 120), act(), nn.Linear(120, 84), act(), nn.Linear(84, num_classes))
+    return net.apply(init_cnn)
 
 
 def load_split(folder, holdout, train_size, seed):
@@ -208,7 +202,7 @@ def validation_error(model, images, labels, batch_size=2000):
 def hpo_objective_lenet_synetune(config, model=None, device="cpu"):
     """The objective: train LeNet (or the given model) with the configuration's learning rate and batch size, and
     report the validation error after every epoch with Syne Tune's Reporter, which prints it for the tuner to read."""
-    model = (LeNet(config["activation"]) if model is None else model).to(device)
+    model = (lenet(config["activation"]) if model is None else model).to(device)
     train_x, train_y, val_x, val_y = (tensor.to(device) for tensor in load_split(
         config["data_folder"], config["holdout"], config["train_size"], config["seed"]))
     optimizer = torch.optim.SGD(model.parameters(), lr=config["learning_rate"])
@@ -217,7 +211,7 @@ def hpo_objective_lenet_synetune(config, model=None, device="cpu"):
     for epoch in range(1, config["max_epochs"] + 1):
         model.train()
         for index in torch.randperm(len(train_x), generator=order).to(device).split(config["batch_size"]):
-            loss = F.cross_entropy(model(as_input(train_x[index])), train_y[index])
+            loss = nn.functional.cross_entropy(model(as_input(train_x[index])), train_y[index])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -241,10 +235,12 @@ def random_search(args, config_space, initial_config=INITIAL_CONFIG):
                         random_seed=args.seed)
 
 
-def tune(args, trial_backend, scheduler, tuner_name, callbacks=None):
-    """The tutorial's tuner: whenever one of the n_workers workers is free it asks the scheduler for a configuration
-    and starts it as a trial on the backend (the tutorial's: `LocalBackend(entry_point=...)`, child processes of this
-    one), hands the trials' reports to the scheduler, and stops at the budget."""
+def tune(args, scheduler, tuner_name, callbacks=None, backend=LocalBackend, entry_point=__file__):
+    """The tutorial's backend and tuner. The backend runs each trial as entry_point (this script) started again as a
+    child process of this one, which reads its configuration from a JSON file. The tuner, whenever one of the
+    n_workers workers is free, asks the scheduler for a configuration and starts it as a trial on the backend, hands
+    the trials' reports to the scheduler, and stops at the budget. (Beyond the tutorial, backend is a subclass.)"""
+    trial_backend = backend(entry_point=str(Path(entry_point).resolve()), pass_args_as_json=True)
     tuner = Tuner(trial_backend=trial_backend, scheduler=scheduler, n_workers=args.n_workers,
                   stop_criterion=StoppingCriterion(max_wallclock_time=args.max_wallclock_time),
                   # beyond the tutorial: --sync, --max-failures, bookkeeping, and a free worker reused within 0.1 s
@@ -258,7 +254,6 @@ def plot_figures(results, folder):
     """The tutorial's two figures from the results: the incumbent (the best validation error so far) and every
     trial's learning curve, over the tuner's wall-clock time. Returns their paths."""
     import matplotlib.pyplot as plt
-    plt.switch_backend("agg")
     incumbent, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(results[ST_TUNER_TIME], results[METRIC].cummin())
     ax.set(xlabel="wall-clock time (s)", ylabel=f"best {METRIC}", title="incumbent")
@@ -266,10 +261,9 @@ def plot_figures(results, folder):
     for _, trial in results.groupby("trial_id"):
         ax.plot(trial[ST_TUNER_TIME], trial[METRIC], marker="o", markersize=3)
     ax.set(xlabel="wall-clock time (s)", ylabel="objective function", title="learning curve of every trial")
-    paths = {"incumbent": folder / "incumbent.png", "learning_curves": folder / "learning_curves.png"}
-    common.save_figure(incumbent, paths["incumbent"], "--results-dir")
-    common.save_figure(curves, paths["learning_curves"], "--results-dir")
-    return paths
+    for name, figure in (("incumbent", incumbent), ("learning_curves", curves)):
+        common.save_figure(figure, folder / f"{name}.png", "--results-dir")
+    return {"incumbent": folder / "incumbent.png", "learning_curves": folder / "learning_curves.png"}
 
 
 # --- Beyond the tutorial: other schedulers, --max-trials, and the exercises' model and local searcher ---
@@ -344,10 +338,9 @@ class LocalSearcher(RandomSearcher):
     def near(self, domain, value):
         """A random value of domain near value."""
         scale, unscale = (np.log, np.exp) if is_log_space(domain) else (float, float)
-        low, high = scale(domain.lower), scale(domain.upper)
-        moved = unscale(np.clip(scale(value) + self.random_state.normal(0.0, self.step * (high - low)), low, high))
-        moved = round(moved) if isinstance(domain, Integer) else float(moved)
-        return min(max(moved, domain.lower), domain.upper)
+        spread = self.step * (scale(domain.upper) - scale(domain.lower))
+        moved = unscale(scale(value) + self.random_state.normal(0.0, spread))
+        return domain.cast(np.clip(moved, domain.lower, domain.upper))  # an int for an integer domain, rounded
 
 
 # --- Beyond the tutorial: the trial process, and the local backend that watches its trials ---
@@ -392,8 +385,8 @@ class WatchedTrials(LocalBackend):
     --cuda), as an index among the GPUs this process sees, which the trial sees too (so a scheduler's subset in
     CUDA_VISIBLE_DEVICES, GPU UUIDs and MIG instances all hold)."""
 
-    def __init__(self, entry_point, trial_timeout):
-        super().__init__(entry_point=str(entry_point), pass_args_as_json=True, rotate_gpus=False)
+    def __init__(self, trial_timeout, **options):
+        super().__init__(rotate_gpus=False, **options)
         self.trial_timeout, self.last_change, self.reasons, self.gpus = trial_timeout, {}, {}, {}
 
     # _schedule and _all_trial_results are TrialBackend's documented extension points
@@ -428,18 +421,18 @@ class WatchedTrials(LocalBackend):
 
 class Search(TunerCallback):
     """The search as the console shows it, one line per trial event (started, completed, stopped early, failed, cut
-    off), each printed once, and as the summary reads it: its name, folder and wall-clock span, and a row per trial
+    off), each printed once, and as the summary reads it: its folder, backend and wall-clock span, and a row per trial
     with how it ended, its configuration, epochs, last and best validation error, busy time and where it ran (its
     TRIAL_INFO lines). A trial is busy from when the tuner started it to when the tuner saw it end (it exited, was
     stopped, failed, or the search ended): one clock, the tuner's, whatever machine ran the trial. Lives in the tuner
     process."""
 
-    def __init__(self, out, hyperparameters, max_epochs, backend):
-        self.out, self.hyperparameters, self.max_epochs, self.backend = out, hyperparameters, max_epochs, backend
+    def __init__(self, out, hyperparameters, max_epochs):
+        self.out, self.hyperparameters, self.max_epochs = out, hyperparameters, max_epochs
         self.rows, self.reports, self.best = {}, {}, float("inf")
 
     def on_tuning_start(self, tuner):
-        self.name, self.path, self.started_at = tuner.name, tuner.tuner_path, time.time()
+        self.path, self.backend, self.started_at = tuner.tuner_path, tuner.trial_backend, time.time()
 
     def on_start_trial(self, trial):
         config = {name: trial.config[name] for name in self.hyperparameters}
@@ -488,8 +481,7 @@ class KeptResults(StoreResultsCallback):
         if self.csv_file is not None:
             packed = io.BytesIO()
             self.dataframe().to_csv(packed, index=False, compression={"method": "zip", "archive_name": "results.csv"})
-            common.write_or_fail(self.csv_file, packed.getvalue(), "--results-dir", "every trial was stopped, and "
-                                                                                    "what was written before is intact")
+            common.write_or_fail(self.csv_file, packed.getvalue(), "--results-dir")
 
 
 def messages_to(path):
@@ -506,46 +498,43 @@ def messages_to(path):
 
 def stop_on_signals():
     """SIGINT and SIGTERM end the search with one line and exit status 128 + the signal: a SystemExit, on which Syne
-    Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone). Further signals are ignored, so
-    that they cannot cut that clean-up short."""
+    Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone). The same signal again (a second
+    Ctrl-C) is ignored, so that it cannot cut that clean-up short."""
     def interrupt(signum, frame):
-        for other in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(other, signal.SIG_IGN)
+        signal.signal(signum, signal.SIG_IGN)
         print(f"{Path(sys.argv[0]).name}: {signal.Signals(signum).name}: every trial is stopped", file=sys.stderr)
         sys.exit(128 + signum)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, interrupt)
 
 
-def run_search(args, trial_backend, config_space, out=None):
-    """tune() with the bookkeeping: the scheduler of --scheduler (and --max-trials), one line per trial event on out,
-    Syne Tune's messages in tuner.log, results written atomically, SIGTERM as SIGINT. Too many failed trials, and
-    files that cannot be written, end it with one line (RunFailed); however it ends, no trial is left running.
+def run_search(args, config_space, backend, entry_point=__file__, out=None):
+    """tune() on backend (a subclass of LocalBackend) with the bookkeeping: the scheduler of --scheduler (and
+    --max-trials), one line per trial event on out, Syne Tune's messages in tuner.log, results written atomically,
+    SIGTERM as SIGINT. Too many failed trials, and files that cannot be written, end it with one line (RunFailed);
+    trials that the Tuner could not stop then die with this process (die_with_parent; on Ray, with the job).
     Returns the Search."""
     results_dir = Path(args.results_dir).resolve()
     os.environ["SYNETUNE_FOLDER"] = str(results_dir)  # Syne Tune's way to say where experiments go
     name = name_from_base(f"async-hpo-{args.scheduler}{'-sync' if args.sync else ''}")
     scheduler = at_most(make_scheduler(args, config_space), args.max_trials)
     search = Search(out or sys.stdout, [key for key, value in config_space.items() if isinstance(value, Domain)],
-                    args.max_epochs, trial_backend)
+                    args.max_epochs)
     stop_on_signals()
     try:
         with messages_to(results_dir / name / "tuner.log"):
-            tune(args, trial_backend, scheduler, name, callbacks=[search, KeptResults()])
+            tune(args, scheduler, name, [search, KeptResults()], backend, entry_point)
     except ValueError:  # Syne Tune's way to say that more than max_failures trials failed
         failed = [trial_id for trial_id, row in search.rows.items() if row["status"] == "failed"]
         if len(failed) <= args.max_failures:
             raise
-        raise common.RunFailed(f"trial {failed[0]} failed ({trial_backend.failure_reason(failed[0])}; its log: "
-                               f"{trial_backend.trial_path(failed[0])}); {len(failed)} failed, more than "
+        raise common.RunFailed(f"trial {failed[0]} failed ({search.backend.failure_reason(failed[0])}; its log: "
+                               f"{search.backend.trial_path(failed[0])}); {len(failed)} failed, more than "
                                f"--max-failures {args.max_failures}: the search stopped") from None
     except OSError as error:  # most likely a full disk, a file-size limit or a folder that became read-only
-        raise common.RunFailed(f"{error.filename or results_dir / name}: {error.strerror}; every trial was stopped, "
-                               f"and what was written before is intact; if a disk is full, free space on that disk, "
-                               f"lift the file-size limit or pass another --results-dir") from None
-    finally:
-        with contextlib.suppress(OSError):  # again, in case the Tuner's own clean-up was cut short by a full disk
-            trial_backend.stop_all()
+        raise common.RunFailed(f"{error.filename or results_dir / name}: {error.strerror}; what was written before "
+                               f"is intact; if a disk is full, free space on that disk, lift the file-size limit or "
+                               f"pass another --results-dir") from None
     return search
 
 
@@ -564,21 +553,19 @@ def summarize(search, n_workers):
 def report(args, search):
     """The tutorial's ending, the best configuration (as load_experiment reads the results back) and its two figures,
     with a table of every trial and the JSON line."""
-    experiment = load_experiment(search.name, local_path=str(search.path.parent))
+    experiment = load_experiment(search.path.name, local_path=str(search.path.parent))
     if experiment.results is None:
         raise common.RunFailed(f"no trial reported a result within --max-wallclock-time {args.max_wallclock_time:g}; "
                                f"give it more time (the trials' logs: {search.path})")
     best = search.rows[int(experiment.best_config()["trial_id"])]  # the trial of the lowest validation error
     columns = ["trial", "status", *search.hyperparameters, "epochs", "val_err", "best_err", "busy_s"]
     print(pd.DataFrame(search.rows.values())[columns].to_string(index=False, na_rep="-", float_format="{:.5g}".format))
-    figures = plot_figures(experiment.results, search.path)
     common.emit_result(
         "async_hpo", model=args.model, scheduler=args.scheduler, sync=args.sync, n_workers=args.n_workers,
-        best_config={name: best[name] for name in search.hyperparameters}, best_validation_error=best["best_err"],
-        best_trial=best["trial"], **summarize(search, args.n_workers), trials=list(search.rows.values()),
-        experiment=search.name, results_dir=str(search.path.parent),
-        figures={name: str(path) for name, path in figures.items()},
-        **({"ray_address": args.ray_address} if args.ray_address else {}))
+        ray_address=args.ray_address, best_config={name: best[name] for name in search.hyperparameters},
+        best_validation_error=best["best_err"], best_trial=best["trial"], **summarize(search, args.n_workers),
+        trials=list(search.rows.values()), experiment=search.path.name, results_dir=str(search.path.parent),
+        figures={name: str(path) for name, path in plot_figures(experiment.results, search.path).items()})
 
 
 # --- Beyond the tutorial: trials on a Ray cluster (--ray-address); Syne Tune still decides, Ray places and runs ---
@@ -634,9 +621,8 @@ def run_trial_on_node(entry_point, config_text):
     yield TRIAL_INFO + json.dumps(node) + "\n"
     with subprocess.Popen([sys.executable, entry_point, TRIAL_FLAG, "/dev/stdin"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trial:
-        with contextlib.suppress(BrokenPipeError):  # a trial that died at once: its exit status says more
-            trial.stdin.write(json.dumps(config))
-            trial.stdin.close()
+        trial.stdin.write(json.dumps(config))  # a few hundred bytes: the pipe holds them until the trial reads
+        trial.stdin.close()
         for line in trial.stdout:  # (not `yield from`: Ray drives the task with send())
             yield line
     yield trial.returncode
@@ -648,9 +634,9 @@ class RayTrials(LocalBackend):
     Ray lost it (if it did) in std.err, and a `stop` file if the tuner stopped it; its reports are read from std.out,
     as the local backend does; stopping a trial cancels its task. Lives in the tuner process."""
 
-    def __init__(self, entry_point, cpus, gpus):
+    def __init__(self, cpus, gpus, **options):
         import ray
-        super().__init__(entry_point=str(entry_point), pass_args_as_json=True, rotate_gpus=False)
+        super().__init__(rotate_gpus=False, **options)
         self.trials, self.streams, self.exit_codes, self.reasons = {}, {}, {}, {}
         # SPREAD: trials on different nodes while there are free ones. No retries: a trial whose node died has
         # failed, and Syne Tune decides what runs next.
@@ -706,21 +692,20 @@ def main(argv=None):
     validate(args)
     data_folder = Path(common.fashion_mnist_dir(args.data_dir)).resolve()
     common.load_fashion_mnist(data_folder)  # every file verified here: a damaged one is one line before any trial
-    script = Path(__file__).resolve()
     if args.ray_address:
-        nodes = connect_to_ray(args.ray_address, script)
+        nodes = connect_to_ray(args.ray_address, Path(__file__).resolve())
         fit = cpus_per_trial(nodes, args.n_workers, int(args.cuda))
         threads = args.trial_threads or fit
         check(1 <= threads <= fit, f"--n-workers {args.n_workers} with {max(threads, 1)} CPUs each: more than the "
                                    f"cluster can run at once (CPUs, GPUs of its nodes: {nodes})")
-        backend = RayTrials(script, threads, int(args.cuda))
+        backend = functools.partial(RayTrials, threads, int(args.cuda))
     else:
         threads = args.trial_threads or max(1, common.usable_cpus() // args.n_workers)
-        backend = WatchedTrials(script, args.trial_timeout)
+        backend = functools.partial(WatchedTrials, args.trial_timeout)
     config_space = {**make_config_space(args, data_folder), **(MLP_SPACE if args.model == "mlp" else {}),
                     "model": args.model, "threads": threads, "device": "cuda" if args.cuda else "cpu",
                     "parent_pid": os.getpid()}
-    report(args, run_search(args, backend, config_space))
+    report(args, run_search(args, config_space, backend))
 
 
 if __name__ == "__main__":

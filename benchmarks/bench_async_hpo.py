@@ -20,6 +20,7 @@ This file is also the sleeping trial: Syne Tune starts it with --st_config_json_
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -86,8 +87,9 @@ def main():
                 args = async_hpo.Args(scheduler="random", sync=sync, n_workers=n_workers,
                                       max_wallclock_time=options.budget, max_epochs=EPOCHS, seed=options.seed,
                                       results_dir=results_dir, max_failures=0)
-                backend = async_hpo.WatchedTrials(Path(__file__).resolve(), args.trial_timeout)
-                summary = async_hpo.summarize(async_hpo.run_search(args, backend, config_space, out=quiet), n_workers)
+                backend = functools.partial(async_hpo.WatchedTrials, args.trial_timeout)
+                search = async_hpo.run_search(args, config_space, backend, entry_point=__file__, out=quiet)
+                summary = async_hpo.summarize(search, n_workers)
                 per_minute = summary["trials_completed"] / (summary["wall_time_s"] / 60)
                 runs[name].append((per_minute, summary["utilisation"]))
                 print(f"{name:8s} | run {repeat + 1} | {summary['trials_completed']:3d} trials completed in "

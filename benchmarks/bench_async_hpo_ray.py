@@ -24,6 +24,7 @@ It ends with a line comparing the two and one JSON line.
 import argparse
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -78,7 +79,8 @@ def stop_ray_head(head):
 
 
 def run_variant(async_hpo, args, backend, config_space, quiet):
-    summary = async_hpo.summarize(async_hpo.run_search(args, backend, config_space, out=quiet), args.n_workers)
+    search = async_hpo.run_search(args, config_space, backend, entry_point=SLEEPING_TRIAL, out=quiet)
+    summary = async_hpo.summarize(search, args.n_workers)
     return {"trials_completed": summary["trials_completed"], "wall_time_s": summary["wall_time_s"],
             "trials_per_min": round(summary["trials_completed"] / (summary["wall_time_s"] / 60), 2),
             "utilisation": summary["utilisation"]}
@@ -129,9 +131,9 @@ def main():
                     if cpus < 1:
                         parser.error(f"the cluster at {ray_address} cannot run {options.n_workers} trials at once")
                     ray.cloudpickle.register_pickle_by_value(async_hpo)  # the task's code: the nodes lack the module
-                    backend = async_hpo.RayTrials(SLEEPING_TRIAL, cpus, 0)
+                    backend = functools.partial(async_hpo.RayTrials, cpus, 0)
                 else:
-                    backend = async_hpo.WatchedTrials(SLEEPING_TRIAL, args.trial_timeout)
+                    backend = functools.partial(async_hpo.WatchedTrials, args.trial_timeout)
                 figures[name] = run_variant(async_hpo, args, backend, config_space, quiet)
                 print(f"{name:5s} | {figures[name]['trials_completed']:3d} trials completed in "
                       f"{figures[name]['wall_time_s']:.0f} s | {figures[name]['trials_per_min']:5.1f} trials/min | "

@@ -618,7 +618,7 @@ def test_results_that_cannot_be_written_end_the_run_and_keep_what_was_written(tm
     assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
     assert "File too large" in lines[0] and "intact" in lines[0], lines  # (whichever file the limit hit first)
     assert "free space on that disk" in lines[0] and "--results-dir" in lines[0], lines
-    assert not trial_processes(tmp_path)
+    wait_for(lambda: not trial_processes(tmp_path), 10, "the trials to end with the tuner")  # (die_with_parent)
     import io
 
     import pandas as pd
@@ -676,7 +676,7 @@ def test_each_trial_gets_the_gpu_fewest_running_trials_use(monkeypatch, tmp_path
 
     monkeypatch.setattr(common, "cuda_device_count", lambda: 2)
     monkeypatch.setattr(LocalBackend, "_schedule", schedule)
-    backend = async_hpo.WatchedTrials(REPO / "async_hpo.py", 60)
+    backend = async_hpo.WatchedTrials(60, entry_point=str(REPO / "async_hpo.py"))
     backend._schedule(0, {"device": "cuda"})
     backend._schedule(1, {"device": "cuda"})
     backend.trial_subprocess[0].running = False
