@@ -80,12 +80,12 @@ def one_process_short(tmp_path_factory):
     return {"result": last_json(proc.stdout), "params": final_params(folder)}
 
 
-@pytest.mark.parametrize("allreduce", ALLREDUCES)
-def test_two_processes_learn(allreduce, one_process):
-    proc = multi_gpu_run(CPU, TINY, procs=2, allreduce=allreduce)
+def test_two_processes_learn():
+    """The default allreduce; every other one computes its parameters (test_k_processes_give_...)."""
+    proc = multi_gpu_run(CPU, TINY, procs=2)
     assert proc.returncode == 0, proc.stderr
     result = last_json(proc.stdout)
-    assert result["world_size"] == 2 and result["allreduce"] == allreduce
+    assert result["world_size"] == 2
     assert result["test_acc"] > 0.3, result  # chance is 0.1
     assert result["history"][-1]["loss"] < result["history"][0]["loss"] - 0.05
     assert sum(line.startswith("epoch ") for line in proc.stdout.splitlines()) == 2  # rank 0 only, per epoch
@@ -207,15 +207,6 @@ def test_resume_refuses_a_checkpoint_of_another_recipe(one_process):
     assert_usage_error(proc, "multi_gpu.pt: written with", "--resume")
 
 
-def test_torchrun_launch_equals_one_process(one_process_short, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "multi_gpu.py", *flags(CPU, SHORT, data_flags(), checkpoint_dir=tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    assert last_json(proc.stdout)["world_size"] == 2
-    torch.testing.assert_close(final_params(tmp_path), one_process_short["params"], rtol=1e-5, atol=1e-6)
-
-
 def torchrun(*arguments, recipe=(), env=None):
     """Start `torchrun ARGUMENTS multi_gpu.py FLAGS` (stdout and stderr are text pipes)."""
     command = torchrun_command(*arguments, "multi_gpu.py", *flags(CPU, data_flags(), *recipe))
@@ -245,7 +236,7 @@ def test_two_torchrun_nodes_on_loopback_equal_one_process(one_process_short, tmp
 
 
 # Epochs of a second or two on 2 CPU processes: long enough to kill a worker in the middle of one.
-RESTARTS = {"batch_size": 64, "lr": 0.2, "limit_train": 4096, "epochs": 6, "seed": 1}
+RESTARTS = {"batch_size": 64, "lr": 0.2, "limit_train": 4096, "epochs": 4, "seed": 1}
 
 
 def new_torchrun_workers(agent, seen, count=2, timeout=120):
@@ -281,7 +272,7 @@ def wait_for_checkpoint(path, epoch, agent, timeout=120):
 
 
 def test_torchrun_restarts_after_killed_workers_and_ends_with_the_uninterrupted_parameters(tmp_path):
-    """torchrun --max-restarts 3 --checkpoint-dir D --resume: three times, a worker (rank 1, 0, 1 in turn) is killed
+    """torchrun --max-restarts 3 --checkpoint-dir D --resume: twice, a worker (rank 1, then rank 0) is killed
     (SIGKILL) in the epoch after the one its round checkpointed first. Each time torchrun restarts both workers, which
     resume from the last checkpoint; the run ends with the parameters and learning curve of an uninterrupted run.
 
@@ -294,7 +285,7 @@ def test_torchrun_restarts_after_killed_workers_and_ends_with_the_uninterrupted_
                      recipe=[RESTARTS, {"checkpoint_dir": checkpoint.parent, "resume": True}])
     seen = set()
     try:
-        for kill in range(3):
+        for kill in range(2):
             workers = new_torchrun_workers(agent, seen)
             seen |= {worker.pid for worker in workers}
             wait_for_checkpoint(checkpoint, checkpoint_epoch(checkpoint) + 1, agent)
@@ -303,7 +294,7 @@ def test_torchrun_restarts_after_killed_workers_and_ends_with_the_uninterrupted_
     finally:
         kill_all(agent, pids=seen)
     assert agent.returncode == 0, stderr[-3000:]
-    assert stdout.count("resuming after epoch") == 3, stdout
+    assert stdout.count("resuming after epoch") == 2, stdout
     assert "connectFullMesh" not in stderr
     resumed, uninterrupted = last_json(stdout), last_json(reference.stdout)
     assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in uninterrupted["history"]]
