@@ -33,6 +33,7 @@ std.out and std.err. The console gets one line per trial event, a table of every
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import importlib.util
@@ -62,6 +63,7 @@ from syne_tune.experiments import load_experiment
 from syne_tune.optimizer.baselines import ASHA, TPE, BOTorch, RandomSearch
 from syne_tune.optimizer.scheduler import SchedulerDecision
 from syne_tune.optimizer.schedulers.searchers.random_searcher import RandomSearcher
+from syne_tune.optimizer.schedulers.searchers.single_objective_searcher import SingleObjectiveBaseSearcher
 from syne_tune.optimizer.schedulers.single_objective_scheduler import SingleObjectiveScheduler
 from syne_tune.report import retrieve
 from syne_tune.results_callback import StoreResultsCallback
@@ -148,7 +150,7 @@ def validate(args):
           f"--limit-train {args.limit_train}: more than the {train_images} training images")
     check(args.scheduler != "gp" or importlib.util.find_spec("botorch") is not None,
           "--scheduler gp needs botorch: pip install botorch==0.18.1 (or pick --scheduler bo)")
-    check(not args.cuda or args.ray_address or common.cuda_device_count() > 0,
+    check(not args.cuda or args.ray_address or torch.cuda.device_count() > 0,
           "--cuda: no CUDA device on this machine; run without --cuda")
     # Syne Tune's local backend splits each trial's command line at spaces
     check(args.ray_address or " " not in sys.executable + str(Path(__file__).resolve()) + os.path.abspath(
@@ -299,14 +301,29 @@ def make_scheduler(args, config_space):
                                     searcher=LocalSearcher(config_space, [first], random_seed=args.seed))
 
 
-def at_most(scheduler, max_trials):
-    """--max-trials: the scheduler proposes max_trials configurations, then None, Syne Tune's "nothing left to try"
-    (TrialScheduler.suggest): the Tuner lets the running trials finish and ends, and its stop criterion still ends
-    the search at --max-wallclock-time. (Stopping once N trials have finished would let the free workers start more
-    trials meanwhile, only to cut them off.) max_trials None: no limit."""
-    proposals, suggest = iter(range(max_trials or sys.maxsize)), scheduler.suggest
-    scheduler.suggest = lambda: suggest() if next(proposals, None) is not None else None
-    return scheduler
+class AtMost(SingleObjectiveBaseSearcher):
+    """--max-trials: the scheduler's searcher (every scheduler here asks its `searcher` for each configuration),
+    proposing max_trials configurations, then None, Syne Tune's "nothing left to try": the Tuner lets the running
+    trials finish and ends, and its stop criterion still ends the search at --max-wallclock-time. (Stopping once N
+    trials have finished would let the free workers start more trials meanwhile, only to cut them off.) It hands
+    the searcher what the scheduler reports."""
+
+    def __init__(self, searcher, max_trials):
+        super().__init__(searcher.config_space, random_seed=searcher.random_seed)
+        self.searcher, self.left = searcher, max_trials
+
+    def suggest(self, **kwargs):
+        self.left -= 1
+        return self.searcher.suggest(**kwargs) if self.left >= 0 else None
+
+    def on_trial_result(self, *args, **kwargs):
+        self.searcher.on_trial_result(*args, **kwargs)
+
+    def on_trial_complete(self, *args, **kwargs):
+        self.searcher.on_trial_complete(*args, **kwargs)
+
+    def on_trial_error(self, trial_id):
+        self.searcher.on_trial_error(trial_id)
 
 
 class LocalSearcher(RandomSearcher):
@@ -353,7 +370,10 @@ def trial_main(argv):
     """A trial process: die with the process that started it, take its share of the cores and its device, print
     where it runs (a TRIAL_INFO line, which the summary reads), then run the objective."""
     config = json.loads(Path(argv[argv.index(TRIAL_FLAG) + 1]).read_text())
-    common.die_with_parent(config["parent_pid"])
+    if sys.platform.startswith("linux"):  # killed outright (SIGKILL) when its parent dies, even if it is stopped
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != config["parent_pid"]:  # the parent died before the line above took effect
+        raise SystemExit("the process that started this trial is gone")
     torch.set_num_threads(config["threads"])
     device = torch.device("cuda", config.get("gpu", 0)) if config["device"] == "cuda" else torch.device("cpu")
     where = f"{device} {torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}" \
@@ -387,12 +407,13 @@ class WatchedTrials(LocalBackend):
 
     def __init__(self, trial_timeout, **options):
         super().__init__(rotate_gpus=False, **options)
-        self.trial_timeout, self.last_change, self.reasons, self.gpus = trial_timeout, {}, {}, {}
+        self.trial_timeout = trial_timeout
+        self.last_change, self.reasons, self.gpus = {}, {}, {}
 
     # _schedule and _all_trial_results are TrialBackend's documented extension points
     def _schedule(self, trial_id, config):
         busy = [self.gpus[trial] for trial, process in self.trial_subprocess.items() if process.poll() is None]
-        self.gpus[trial_id] = min(range(max(1, common.cuda_device_count())), key=busy.count)
+        self.gpus[trial_id] = min(range(max(1, torch.cuda.device_count())), key=busy.count)
         super()._schedule(trial_id, {**config, "gpu": self.gpus[trial_id]})
 
     def _all_trial_results(self, trial_ids):
@@ -405,7 +426,8 @@ class WatchedTrials(LocalBackend):
                 if seen != last_seen:
                     self.last_change[trial_id] = (seen, now)
                 elif now - since > self.trial_timeout:
-                    self.reasons[trial_id] = (f"pid {pid} {'stopped' if common.is_stopped(pid) else 'hung'}: used no "
+                    stopped = psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+                    self.reasons[trial_id] = (f"pid {pid} {'stopped' if stopped else 'hung'}: used no "
                                               f"CPU time and wrote nothing for {now - since:.0f} s (--trial-timeout "
                                               f"{self.trial_timeout:g}), killed")
                     self.trial_subprocess[trial_id].kill()
@@ -517,7 +539,9 @@ def run_search(args, config_space, backend, entry_point=__file__, out=None):
     results_dir = Path(args.results_dir).resolve()
     os.environ["SYNETUNE_FOLDER"] = str(results_dir)  # Syne Tune's way to say where experiments go
     name = name_from_base(f"async-hpo-{args.scheduler}{'-sync' if args.sync else ''}")
-    scheduler = at_most(make_scheduler(args, config_space), args.max_trials)
+    scheduler = make_scheduler(args, config_space)
+    if args.max_trials:
+        scheduler.searcher = AtMost(scheduler.searcher, args.max_trials)
     search = Search(out or sys.stdout, [key for key, value in config_space.items() if isinstance(value, Domain)],
                     args.max_epochs)
     stop_on_signals()
@@ -637,7 +661,8 @@ class RayTrials(LocalBackend):
     def __init__(self, cpus, gpus, **options):
         import ray
         super().__init__(rotate_gpus=False, **options)
-        self.trials, self.streams, self.exit_codes, self.reasons = {}, {}, {}, {}
+        self.trials, self.streams = {}, {}
+        self.exit_codes, self.reasons = {}, {}
         # SPREAD: trials on different nodes while there are free ones. No retries: a trial whose node died has
         # failed, and Syne Tune decides what runs next.
         self.task = ray.remote(run_trial_on_node).options(

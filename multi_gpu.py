@@ -33,6 +33,7 @@ from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -72,7 +73,7 @@ class Args:
     warmup_epochs: Optional[common.PositiveFloat] = None
     """with --lr-scaling, ramp the rate from --lr up to the scaled rate over this many epochs; not given: no warm-up"""
     # Output and checkpoints
-    plot: Optional[common.FigureFile] = None
+    plot: Optional[common.OutFile] = None
     """save the learning curve (training loss, training and test accuracy per epoch) to this .png, .pdf or .svg file;
     not given: no plot"""
     checkpoint_dir: Optional[common.OutDir] = None
@@ -94,7 +95,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The model: LeNet as a parameter list and a functional forward, as in the tutorial
+# The tutorial (D2L 13.5): LeNet as parameters, get_params, allreduce, split_batch, train_batch, train
 # ---------------------------------------------------------------------------------------------------------
 
 PARAM_SHAPES = [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
@@ -109,8 +110,8 @@ def init_params(seed, scale=0.01):
 
 def unflatten(flat):
     """Views of the flat buffer shaped like the parameters: writing one writes the other."""
-    return [chunk.view(shape) for chunk, shape in
-            zip(flat.split([math.prod(shape) for shape in PARAM_SHAPES]), PARAM_SHAPES)]
+    chunks = flat.split([math.prod(shape) for shape in PARAM_SHAPES])
+    return [chunk.view(shape) for chunk, shape in zip(chunks, PARAM_SHAPES)]
 
 
 def lenet(X, params):
@@ -121,33 +122,124 @@ def lenet(X, params):
     return h3 @ W4 + b4
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Summing the gradients: each function sums `flat` (one buffer holding every gradient) across processes
-# ---------------------------------------------------------------------------------------------------------
+def get_params(params, device):
+    """The tutorial's get_params: the parameters (one flat tensor) copied to the device, as the list lenet takes,
+    each with its gradient. Returns (that list, the flat parameters, the flat gradients): each parameter and its
+    gradient are views into the two flat buffers, so that summing the gradients and the update are one call each."""
+    flat_params = params.to(device)
+    flat_grads = torch.zeros_like(flat_params)
+    device_params = [nn.Parameter(param) for param in unflatten(flat_params)]
+    for param, grad in zip(device_params, unflatten(flat_grads)):
+        param.grad = grad
+    return device_params, flat_params, flat_grads
 
-def tutorial_allreduce(flat, rank, world_size):
-    """The tutorial's algorithm: rank 0 receives every gradient, sums, and sends the sum back to each rank.
-    Rank 0 moves 2(k-1) full buffers while the others wait: its link is the bottleneck."""
+
+def allreduce(data, rank, world_size):
+    """The tutorial's allreduce between processes: rank 0 receives every gradient, sums, and sends the sum back to
+    each rank. Rank 0 moves 2(k-1) full buffers while the others wait: its link is the bottleneck."""
     if rank == 0:
-        incoming = torch.empty_like(flat)
+        incoming = torch.empty_like(data)
         for source in range(1, world_size):
             dist.recv(incoming, source)
-            flat += incoming
+            data += incoming
         for destination in range(1, world_size):
-            dist.send(flat, destination)
+            dist.send(data, destination)
     else:
-        dist.send(flat, 0)
-        dist.recv(flat, 0)
+        dist.send(data, 0)
+        dist.recv(data, 0)
 
 
-def ring_allreduce(flat, rank, world_size):
+class Replica:
+    """This process's copy of LeNet (get_params) and how its gradients are summed (`sum_gradients`, the tutorial's
+    allreduce unless given another). Lives in every process."""
+
+    def __init__(self, params, device, rank, world_size, sum_gradients=allreduce):
+        self.device_params, self.flat_params, self.flat_grads = get_params(params, device)
+        self.rank, self.world_size, self.sum_gradients = rank, world_size, sum_gradients
+
+    def forward(self, X):
+        return lenet(X, self.device_params)
+
+    def backward(self, X_shard, y_shard, batch_size):
+        """Forward, loss and backward of this process's shard; returns its [loss sum, correct predictions]. The
+        shard's loss sum divided by the GLOBAL batch size: summed over the processes, the gradients are those of the
+        mean loss of the whole batch, as one process would compute them."""
+        logits = self.forward(X_shard)
+        loss = F.cross_entropy(logits, y_shard, reduction="sum")
+        (loss / batch_size).backward()
+        return torch.stack([loss.detach(), (logits.argmax(1) == y_shard).sum().to(loss.dtype)])
+
+    def sgd(self, lr):  # the tutorial's d2l.sgd (the loss is already divided by the batch size)
+        self.flat_params.sub_(self.flat_grads, alpha=lr)
+        self.flat_grads.zero_()
+
+
+def split_batch(X, y, rank, world_size):
+    """The tutorial's split_batch, for one process: its shard of the global batch."""
+    return X.tensor_split(world_size)[rank], y.tensor_split(world_size)[rank]
+
+
+def train_batch(X, y, model, lr):
+    """The tutorial's train_batch in one process: the loss and gradients of this process's shard of the global
+    batch (X, y), the gradients summed over every process, the same update everywhere. Returns the shard's [loss
+    sum, correct predictions], on the device."""
+    X_shard, y_shard = split_batch(X, y, model.rank, model.world_size)
+    totals = model.backward(X_shard, y_shard, len(X))
+    model.sum_gradients(model.flat_grads, model.rank, model.world_size)
+    model.sgd(lr)
+    return totals
+
+
+@torch.no_grad()
+def evaluate_accuracy(model, images, labels, batch_size=2048):
+    """Test accuracy on every process (the chapter's exercise 4): each counts its share of the test set, the counts
+    are summed."""
+    correct = torch.zeros((), device=images.device)
+    my_images, my_labels = split_batch(images, labels, model.rank, model.world_size)
+    for X, y in zip(my_images.split(batch_size), my_labels.split(batch_size)):
+        correct += (model.forward(X).argmax(1) == y).sum()
+    dist.all_reduce(correct)
+    return correct.item() / len(labels)
+
+
+def train(model, data, args, history, learning_rate):
+    """The tutorial's train() for this process's device, from the epoch after those in `history`: each epoch, the
+    global batches in an order drawn from --seed and the epoch (every rank draws the same, so all agree on the
+    batches without communicating), train_batch on each with the rate learning_rate(args, step, steps per epoch)
+    gives, then the test accuracy. Rank 0 prints a line per epoch. Yields each epoch's record, added to history."""
+    images, labels, test_images, test_labels = data
+    for epoch in range(len(history), args.epochs):
+        started = time.perf_counter()
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        batches = order.to(images.device).split(args.batch_size)
+        totals = torch.zeros(2, device=images.device)
+        for i, batch in enumerate(batches):
+            totals += train_batch(images[batch], labels[batch], model, learning_rate(args, epoch * len(batches) + i,
+                                                                                       len(batches)))
+        dist.all_reduce(totals)
+        loss, train_acc = (totals / len(images)).tolist()  # waits for the epoch's last step
+        seconds = time.perf_counter() - started
+        test_acc = evaluate_accuracy(model, test_images, test_labels)
+        history.append({"epoch": epoch + 1, "loss": loss, "train_acc": train_acc, "test_acc": test_acc,
+                        "seconds": seconds})
+        if model.rank == 0:
+            print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
+                  f"{seconds:.2f} s/epoch | {len(images) / seconds / 1000:.1f}k samples/s", flush=True)
+        yield history[-1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Beyond the tutorial: the ring (the chapter's exercise 3), torch's all_reduce and DistributedDataParallel
+# ---------------------------------------------------------------------------------------------------------
+
+def ring_allreduce(data, rank, world_size):
     """Bandwidth-optimal ring allreduce (the chapter's exercise 3). The buffer is cut into k chunks, and at step s
     every rank r sends chunk r-s to its right neighbour and receives chunk r-s-1 from its left. Reduce-scatter: in
     the first k-1 steps it adds what arrives to its own copy of that chunk, after which rank r holds the full sum of
     chunk r+1. All-gather: in the k-1 steps that follow it keeps what arrives, so the summed chunks go around the
     ring. Each rank sends and receives 2(k-1)/k of the buffer, whatever k is, where the tutorial's rank 0 moves
     2(k-1) whole buffers."""
-    chunks = flat.tensor_split(world_size)
+    chunks = data.tensor_split(world_size)
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     incoming = torch.empty_like(chunks[0])
     for step in range(2 * (world_size - 1)):
@@ -174,7 +266,11 @@ def exchange(outgoing, destination, incoming, source):
     return dist.batch_isend_irecv(operations) if operations else []
 
 
-ALLREDUCE = {"tutorial": tutorial_allreduce, "ring": ring_allreduce, "builtin": lambda flat, *_: dist.all_reduce(flat)}
+def builtin_allreduce(data, rank, world_size):
+    dist.all_reduce(data)
+
+
+ALLREDUCES = {"tutorial": allreduce, "ring": ring_allreduce, "builtin": builtin_allreduce}  # --allreduce ddp: DDP
 
 
 class LeNet(nn.Module):
@@ -188,76 +284,20 @@ class LeNet(nn.Module):
         return lenet(X, self.params)
 
 
-class Replica:
-    """This process's copy of LeNet (the tutorial's get_params), and how its gradients are summed. Lives in every
-    process. The parameters and their gradients are views into two flat buffers, so that summing the gradients and
-    the SGD update are one call each on the whole model. With --allreduce ddp, DistributedDataParallel sums the
-    gradients during backward, into the same buffer."""
+class DDPReplica(Replica):
+    """The replica with DistributedDataParallel, which sums the gradients during backward (so nothing is left to
+    sum after it), into the same flat buffer, and averages them over the k processes: a loss k times larger keeps
+    the update equal to the other variants'. Without device_ids DDP takes the module and the inputs where they are."""
 
-    def __init__(self, flat_params, allreduce, rank, world_size):
-        self.flat_params, self.flat_grads = flat_params, torch.zeros_like(flat_params)
-        self.params = [nn.Parameter(param) for param in unflatten(flat_params)]
-        for param, grad in zip(self.params, unflatten(self.flat_grads)):
-            param.grad = grad
-        # DDP sums the gradients during backward: nothing is left to sum after it.
-        self.allreduce, self.rank, self.world_size = ALLREDUCE.get(allreduce, lambda *_: None), rank, world_size
-        # Without device_ids DDP takes the module and the inputs where they are, on a GPU or the CPU.
-        self.ddp = allreduce == "ddp" and nn.parallel.DistributedDataParallel(LeNet(self.params))
-        # DDP averages the gradients over the k processes: a loss k times larger keeps every variant's update equal.
-        self.loss_scale = world_size if self.ddp else 1
+    def __init__(self, params, device, rank, world_size):
+        super().__init__(params, device, rank, world_size, sum_gradients=lambda *_: None)
+        self.ddp = nn.parallel.DistributedDataParallel(LeNet(self.device_params))
 
     def forward(self, X):
-        return self.ddp(X) if self.ddp else lenet(X, self.params)
+        return self.ddp(X)
 
-    def sum_gradients(self):
-        self.allreduce(self.flat_grads, self.rank, self.world_size)
-
-    def update(self, lr):  # the tutorial's d2l.sgd (the loss is already divided by the batch size)
-        self.flat_params.sub_(self.flat_grads, alpha=lr)
-        self.flat_grads.zero_()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Training: one step on this process's shard of a global batch, an epoch of them, the test accuracy
-# ---------------------------------------------------------------------------------------------------------
-
-def shard_step(model, images, labels, index, batch_size):
-    """Forward, loss and backward of this process's shard of one global batch (images[index]: the tutorial's
-    split_batch); returns the shard's [loss sum, correct predictions], on the device."""
-    X, y = images.index_select(0, index), labels.index_select(0, index)
-    logits = model.forward(X)
-    loss = F.cross_entropy(logits, y, reduction="sum")
-    # The shard's sum divided by the GLOBAL batch size: summed over the processes, this is the mean loss of the whole
-    # batch, as one process would compute it.
-    (loss * (model.loss_scale / batch_size)).backward()
-    return torch.stack([loss.detach(), (logits.argmax(1) == y).sum().to(loss.dtype)])
-
-
-def train_epoch(model, step, images, args, epoch, rank, world_size, learning_rate):
-    """One pass over the training set in global batches (the tutorial's train_batch for each); returns this process's
-    [loss sum, correct]. step(index, batch_size) is shard_step on this process's data; learning_rate(args, step,
-    steps_per_epoch) the rate of each step."""
-    # Every rank draws the same permutation, so all agree on the global batches without communicating.
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-    batches = order.to(images.device).split(args.batch_size)
-    totals = torch.zeros(2, device=images.device)
-    for i, batch in enumerate(batches):
-        totals += step(batch.tensor_split(world_size)[rank], len(batch))  # forward, loss, backward
-        model.sum_gradients()
-        model.update(learning_rate(args, epoch * len(batches) + i, len(batches)))
-    return totals
-
-
-@torch.no_grad()
-def evaluate(model, images, labels, rank, world_size, batch_size=2048):
-    """Test accuracy on every process (the chapter's exercise 4): each counts its share of the test set, the counts
-    are summed."""
-    correct = torch.zeros((), device=images.device)
-    for X, y in zip(images.tensor_split(world_size)[rank].split(batch_size),
-                    labels.tensor_split(world_size)[rank].split(batch_size)):
-        correct += (model.forward(X).argmax(1) == y).sum()
-    dist.all_reduce(correct)
-    return correct.item() / len(labels)
+    def backward(self, X_shard, y_shard, batch_size):
+        return super().backward(X_shard, y_shard, batch_size / self.world_size)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,39 +328,25 @@ def learning_rate(args, step, steps_per_epoch):
 # Beyond the tutorial: CUDA graphs
 # ---------------------------------------------------------------------------------------------------------
 
-class GraphedSteps:
-    """step(index, batch_size) (shard_step) captured as a CUDA graph, one per shape, then replayed. Lives in every
-    GPU process.
+class GraphedReplica(Replica):
+    """The replica whose LeNet forward and backward in training run as CUDA graphs, captured once per shard shape
+    by torch.cuda.make_graphed_callables and replayed at every step. Lives in every GPU process.
 
     A LeNet step is about sixty small kernels, each launched from Python: on a GPU those launches, not the
-    arithmetic, set the pace. A graph launches them all at once. Only forward, loss and backward are captured;
-    the allreduce and the update run as they do without graphs, so every backend's collectives behave as usual.
-    The gradients land in the model's flat buffer (captured as in-place additions to it). DDP sums the gradients
-    during backward, so it runs without graphs.
-    """
+    arithmetic, set the pace. A graph launches them all at once. The loss, the allreduce and the update run as they
+    do without graphs, so every backend's collectives behave as usual, and the gradients still land in the flat
+    buffer. DDP sums the gradients during backward, so it runs without graphs."""
 
-    def __init__(self, step, model):
-        self.step, self.model, self.graphs = step, model, {}  # graphs[shard size, batch size]: index, graph, output
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.graphed = {}  # shard shape: LeNet's forward and backward as graphs
 
-    def __call__(self, index, batch_size):
-        key = (len(index), batch_size)
-        if key not in self.graphs:
-            static_index = index.clone()
-            # Warm-up on a side stream, as torch.cuda.graphs asks: libraries pick their kernels outside the capture.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self.step(static_index, batch_size)
-            torch.cuda.current_stream().wait_stream(side)
-            self.model.flat_grads.zero_()  # the warm-up's gradients
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.graphs[key] = static_index, graph, self.step(static_index, batch_size)
-        static_index, graph, output = self.graphs[key]
-        static_index.copy_(index)
-        graph.replay()
-        return output.clone()  # the next replay overwrites the output
+    def forward(self, X):
+        if not torch.is_grad_enabled():  # the test accuracy: other shapes, no backward
+            return super().forward(X)
+        if X.shape not in self.graphed:
+            self.graphed[X.shape] = torch.cuda.make_graphed_callables(LeNet(self.device_params), (X,))
+        return self.graphed[X.shape](X)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -334,8 +360,8 @@ def recipe(args):
     """What a resumed run must share with the run that wrote the checkpoint (the process count may differ). The
     shuffling of epoch e depends on the seed and e alone, so the parameters and the history are all a resumed run
     needs to continue as if it had never stopped."""
-    return {name: getattr(args, name) for name in ("batch_size", "lr", "seed", "limit_train", "lr_scaling",
-                                                   "lr_base_batch", "warmup_epochs")}
+    names = ("batch_size", "lr", "seed", "limit_train", "lr_scaling", "lr_base_batch", "warmup_epochs")
+    return {name: getattr(args, name) for name in names}
 
 
 def read_checkpoint(args):
@@ -370,23 +396,22 @@ def learning_curve(history):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The run: main checks every flag and reads the data and the checkpoint once; every process runs run_worker
+# The run: main checks every flag and reads the data and the checkpoint once; mp.spawn starts run_worker
 # ---------------------------------------------------------------------------------------------------------
 
 def validate(args):
     """The rules that involve several flags, the machine, the launcher or the checkpoint, checked before any data is
     read: each broken rule is one line and exit status 2. Fills in --gpus and --batch-size; returns the checkpoint
     to resume from, read by rank 0 (the launcher, or torchrun's rank 0), else None."""
-    torchrun, gpus_here = common.torchrun_env(), common.cuda_device_count()
+    torchrun, gpus_here = common.torchrun_env(), torch.cuda.device_count()
     local = torchrun["LOCAL_WORLD_SIZE"] if torchrun else gpus_here  # processes on this machine, one per GPU
-    args.gpus = (local if gpus_here else 0) if args.gpus is None else args.gpus
-    if torchrun and args.gpus:  # torchrun decided how many processes run on this machine
-        problem = (common.gpu_per_process_problem(local) if args.gpus == local else
-                   f"torchrun started {local} processes on this machine, one per GPU")
-        common.check(not problem, f"--gpus {args.gpus}: {problem}; start one process per GPU and pass --gpus {local}, "
-                                  f"or pass --gpus 0 to train on CPUs")
-    common.check(torchrun or args.gpus <= gpus_here, f"--gpus {args.gpus}: this machine has {gpus_here} GPUs; pass "
-                                                     f"--gpus {gpus_here}" + " to train on CPUs" * (not gpus_here))
+    if args.gpus is None:  # every GPU of this machine
+        args.gpus = local if gpus_here else 0
+    common.check(not torchrun or args.gpus in (0, local), f"--gpus {args.gpus}: torchrun started {local} processes on "
+                 f"this machine, one per GPU; pass --gpus {local}, or --gpus 0 to train on CPUs")
+    fix = f"start {gpus_here} processes" if torchrun else f"pass --gpus {gpus_here}"
+    common.check(args.gpus <= gpus_here, f"--gpus {args.gpus}: this machine shows {gpus_here} GPUs, and NCCL needs one "
+                 f"per process; {fix + ', or ' if gpus_here else ''}pass --gpus 0 to train on CPUs")
     common.check_processes("--procs", args.procs, args.oversubscribe)
     processes = torchrun["WORLD_SIZE"] if torchrun else args.gpus or args.procs
     common.check(not (args.batch_size and args.batch_per_device), "pass --batch-size or --batch-per-device, not both")
@@ -398,51 +423,51 @@ def validate(args):
     common.check(not args.warmup_epochs or args.lr_scaling != "none",
                  "--warmup-epochs ramps --lr up to the scaled rate: pass --lr-scaling linear or sqrt too")
     common.check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR, where the checkpoint is")
-    return read_checkpoint(args) if args.checkpoint_dir and not (torchrun and torchrun["RANK"]) else None
+    common.check(not args.plot or Path(args.plot).suffix.lower() in (".png", ".pdf", ".svg"),
+                 f"--plot {args.plot}: name a .png, .pdf or .svg file")
+    rank0 = not torchrun or torchrun["RANK"] == 0
+    return read_checkpoint(args) if args.checkpoint_dir and rank0 else None
 
 
-def run_worker(info, args, data, saved):
-    """The tutorial's train() for the device of one process. Rank 0 alone prints, checkpoints and plots."""
-    rank, world_size = info.rank, info.world_size
-    device = common.pick_device(args.gpus > 0, common.local_gpu_index(info.local_rank))
-    common.set_tf32(args.tf32)  # on GPUs
-    common.init_process_group(info, "nccl" if args.gpus else "gloo", args.timeout, device if args.gpus else None)
+@common.worker
+def run_worker(rank, world_size, store, args, data, saved):
+    """One process: its device, the process group, the data on the device, the start (rank 0's, broadcast), then
+    train; rank 0 alone checkpoints after each epoch, then prints the JSON line and plots."""
+    device = common.pick_device(args.gpus > 0, common.local_rank(rank))
+    if device.type == "cuda":
+        common.set_tf32(args.tf32)
+    common.init_process_group(store, rank, world_size, "nccl" if args.gpus else "gloo", args.timeout,
+                              device if args.gpus else None)
     # The whole data set on the device, the images as floats [N, 1, 28, 28] in [0, 1] (what the tutorial's ToTensor
     # gives): a step needs no loader and no host copy, only an index.
-    train_x, train_y, test_x, test_labels = (tensor.to(device) for tensor in data)
-    images, labels = train_x[:args.limit_train].unsqueeze(1).float() / 255, train_y[:args.limit_train]
-    test_images = test_x.unsqueeze(1).float() / 255
+    train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in data)
+    data = (train_x[:args.limit_train].unsqueeze(1).float() / 255, train_y[:args.limit_train],
+            test_x.unsqueeze(1).float() / 255, test_y)
     # Rank 0's start wins on every rank: the checkpoint it read in main (so only rank 0 needs the file, also across
     # machines; the other ranks of a torchrun have None), or else the seed's parameters, the same on every rank.
     start = [saved or {"params": init_params(args.seed), "history": []}]
     dist.broadcast_object_list(start, src=0)
-    history, model = start[0]["history"], Replica(start[0]["params"].to(device), args.allreduce, rank, world_size)
-    step = lambda index, batch_size: shard_step(model, images, labels, index, batch_size)
-    if device.type == "cuda" and args.cuda_graphs and args.allreduce != "ddp":
-        step = GraphedSteps(step, model)
+    history = start[0]["history"]
+    if args.allreduce == "ddp":
+        model = DDPReplica(start[0]["params"], device, rank, world_size)
+    else:
+        replica = GraphedReplica if device.type == "cuda" and args.cuda_graphs else Replica
+        model = replica(start[0]["params"], device, rank, world_size, ALLREDUCES[args.allreduce])
     seconds = []  # of the epochs this run trains
-    for epoch in range(len(history), args.epochs):
-        started = time.perf_counter()
-        totals = train_epoch(model, step, images, args, epoch, rank, world_size, learning_rate)
-        dist.all_reduce(totals)
-        loss, train_acc = (totals / len(images)).tolist()  # waits for the epoch's last step
-        seconds.append(time.perf_counter() - started)
-        test_acc = evaluate(model, test_images, test_labels, rank, world_size)
-        history.append({"epoch": epoch + 1, "loss": loss, "train_acc": train_acc, "test_acc": test_acc,
-                        "seconds": seconds[-1]})
-        if rank == 0:
-            print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
-                  f"{seconds[-1]:.2f} s/epoch | {len(images) / seconds[-1] / 1000:.1f}k samples/s", flush=True)
+    for record in train(model, data, args, history, learning_rate):
+        seconds.append(record["seconds"])
         if rank == 0 and args.checkpoint_dir:  # atomically: a failed write keeps the previous checkpoint
-            state = dict(epoch=len(history), params=model.flat_params.cpu(), history=history, recipe=recipe(args))
+            state = {"epoch": len(history), "params": model.flat_params.cpu(), "history": history,
+                     "recipe": recipe(args)}
             common.save_checkpoint(Path(args.checkpoint_dir, CHECKPOINT), "multi_gpu", state, "--checkpoint-dir")
     # s_per_epoch: the median epoch this run trained (the first includes warm-up); null when it trained none.
     median = sorted(seconds)[len(seconds) // 2] if seconds else None
     if rank == 0:
+        samples_per_s = len(data[0]) / median if median else None
         common.emit_result("multi_gpu", allreduce=args.allreduce, world_size=world_size, device=device.type,
                            batch_size=args.batch_size, lr=learning_rate(args, math.inf, 1), epochs=len(history),
                            **{key: history[-1][key] for key in ("loss", "train_acc", "test_acc")},
-                           s_per_epoch=median, samples_per_s=median and len(images) / median, history=history)
+                           s_per_epoch=median, samples_per_s=samples_per_s, history=history)
         if args.plot:  # after the JSON line: a plot that cannot be written loses neither it nor a checkpoint
             common.save_figure(learning_curve(history), args.plot, "--plot", kept="the result and checkpoints are kept")
     dist.destroy_process_group()
@@ -452,7 +477,13 @@ def main(argv=None):
     args = common.parse_args(Args, argv)
     saved = validate(args)
     data = common.load_fashion_mnist(common.fashion_mnist_dir(args.data_dir))  # downloaded once, verified
-    common.launch(run_worker, common.process_count(args.gpus or args.procs), args, data, saved, timeout=args.timeout)
+    torchrun = common.torchrun_env()
+    if torchrun:  # started by torchrun (RANK set): this process's part
+        run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, data, saved)
+    else:
+        world_size = args.gpus or args.procs
+        with common.rendezvous() as store:
+            mp.spawn(run_worker, args=(world_size, store, args, data, saved), nprocs=world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ training), the line that says it solved CartPole, then the result as one JSON li
     {"script": "rpc_rl", "solved": true, "episodes": E, "env_steps": N, "wall_time_s": T, "steps_per_s": S, ...}
 """
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from typing import Literal, Optional
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
@@ -155,6 +157,11 @@ class Observer:
                 break
 
 
+def env_steps(agent, first=0):
+    """The environment steps of the episodes from `first` on: CartPole pays a reward of 1 per step."""
+    return int(sum(map(sum, agent.episode_rewards[first:])))
+
+
 class Agent:
     """Lives in the agent process (rank 0): the policy and its optimizer, the observers' RRefs, per observer the
     log-probabilities of its actions and its rewards in the episode being played, and every episode's rewards.
@@ -265,30 +272,6 @@ def run_agent(agent, args):
     agent.report(solved, time.perf_counter() - start, env_steps(agent, first))
 
 
-def env_steps(agent, first=0):
-    """The environment steps of the episodes from `first` on: CartPole pays a reward of 1 per step."""
-    return int(sum(map(sum, agent.episode_rewards[first:])))
-
-
-def run_worker(info, args, agent_class, saved):
-    """Every process: rank 0 is the agent and trains; the others serve the agent's RPCs as observers. One thread
-    per process (the policy is tiny), and with --pin-cpus a CPU of its own (common.pin_to_one_cpu says why)."""
-    torch.set_num_threads(1)
-    if args.pin_cpus:
-        common.pin_to_one_cpu(info)
-    if info.rank == 0:
-        common.init_rpc(info, AGENT_NAME, timeout_s=args.rpc_timeout)
-        try:
-            run_agent(agent_class(info.world_size, args, saved), args)
-        except common.RunFailed:  # said in one line by common.launch; the observers end with the agent, as usual,
-            rpc.shutdown()  # without logging a lost connection
-            raise
-    else:
-        common.init_rpc(info, OBSERVER_NAME.format(info.rank), timeout_s=args.rpc_timeout)
-    # block until all rpcs finish, and shutdown the RPC instance
-    rpc.shutdown()
-
-
 # --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers, in numpy;
 # checkpoints that resume exactly, --save, greedy evaluation, the result line ---
 
@@ -317,6 +300,43 @@ class BatchObserver(Observer):
                 truncated[self.id, index] = cut_short and not terminated
                 if not (terminated or cut_short):
                     states[index] = state.tolist()
+
+
+def numpy_probs(parameters, states, masks=1.0):
+    """Policy.forward in numpy, float32, with the dropout masks given (1.0: no dropout, as in evaluation)."""
+    weight1, bias1, weight2, bias2 = parameters
+    logits = np.maximum((states @ weight1.T + bias1) * masks, 0) @ weight2.T + bias2
+    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
+CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "episode_rewards", "running_reward", "rng")
+
+
+def checkpoint_path(args):
+    return Path(args.checkpoint_dir) / "rpc_rl.pt"
+
+
+def recipe(args):
+    """What a resumed run must share with the run that wrote the checkpoint."""
+    return {"observers": common.process_count(args.world_size) - 1, "envs_per_observer": args.envs_per_observer,
+            "seed": args.seed, "gamma": args.gamma, "lr": args.lr, "truncation": args.truncation}
+
+
+def read_checkpoint(args):
+    """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one, else the policy
+    of --load, else None (a new policy). Read once, before any process starts, and checked to fit the policy."""
+    if args.resume and checkpoint_path(args).exists():
+        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
+        saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
+        check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
+              f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
+        policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
+        common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
+        return saved
+    if args.load:
+        saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
+        return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
 
 
 class BatchAgent(Agent):
@@ -440,56 +460,51 @@ class BatchAgent(Agent):
         super().report(solved, wall_time, steps, eval_rewards=list(env.return_queue))
 
 
-def numpy_probs(parameters, states, masks=1.0):
-    """Policy.forward in numpy, float32, with the dropout masks given (1.0: no dropout, as in evaluation)."""
-    weight1, bias1, weight2, bias2 = parameters
-    logits = np.maximum((states @ weight1.T + bias1) * masks, 0) @ weight2.T + bias2
-    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return exp / exp.sum(axis=1, keepdims=True)
+# --- The processes: pinned to a CPU each, the agent and its observers, started by mp.spawn or torchrun ---
+
+def pin_to_one_cpu(local_rank, local_world_size):
+    """Bind this process to one CPU of its own when this machine has one for each of its processes (else the OS
+    scheduler places the processes).
+
+    For RPC-bound runs: TensorPipe's shared-memory transport polls busily in a thread of every process, and
+    unpinned, the pollers of all processes and their Python threads fight over the same cores.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    if len(cpus) >= local_world_size:
+        os.sched_setaffinity(0, {cpus[local_rank]})
 
 
-# --- Beyond the tutorial: what --resume and --load start from, read once before any process starts ---
+@common.worker
+def run_worker(rank, world_size, store, args, agent_class, saved):
+    """Every process: rank 0 is the agent and trains (the tutorial's agent_class, Agent, or the BatchAgent that
+    builds on it); the others serve the agent's RPCs as observers. One thread per process (the policy is tiny),
+    and with --pin-cpus a CPU of its own (see pin_to_one_cpu)."""
+    torch.set_num_threads(1)
+    if args.pin_cpus:
+        pin_to_one_cpu(common.local_rank(rank), int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if rank == 0:
+        common.init_rpc(store, AGENT_NAME, rank, world_size, args.rpc_timeout)
+        run_agent(agent_class(world_size, args, saved), args)
+    else:
+        common.init_rpc(store, OBSERVER_NAME.format(rank), rank, world_size, args.rpc_timeout)
+    # block until all rpcs finish, and shutdown the RPC instance
+    rpc.shutdown()
 
-CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "episode_rewards", "running_reward", "rng")
-
-
-def checkpoint_path(args):
-    return Path(args.checkpoint_dir) / "rpc_rl.pt"
-
-
-def recipe(args):
-    """What a resumed run must share with the run that wrote the checkpoint."""
-    return {"observers": common.process_count(args.world_size) - 1, "envs_per_observer": args.envs_per_observer,
-            "seed": args.seed, "gamma": args.gamma, "lr": args.lr, "truncation": args.truncation}
-
-
-def read_checkpoint(args):
-    """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one, else the policy
-    of --load, else None (a new policy). Read once, before any process starts, and checked to fit the policy."""
-    if args.resume and checkpoint_path(args).exists():
-        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
-        saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
-        check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
-              f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
-        policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
-        common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
-        return saved
-    if args.load:
-        saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
-        return {"policy": common.check_fits(Policy(), saved["policy"], "--load", args.load).state_dict()}
-
-
-# --- main: the flags, then the processes ---
 
 def main(argv=None):
     """Check the flags and read what the agent starts from (in the agent's process, rank 0, which alone reads and
-    writes files), then start the processes: the agent is the tutorial's with --tutorial, else the
-    BatchAgent that builds on it."""
+    writes files), then start the processes: mp.spawn on this machine, or this one process under torchrun."""
     args = common.parse_args(Args, argv)
     validate(args)
-    saved = read_checkpoint(args) if (common.torchrun_env() or {"RANK": 0})["RANK"] == 0 else None
+    torchrun = common.torchrun_env()
+    saved = read_checkpoint(args) if not torchrun or torchrun["RANK"] == 0 else None
     agent_class = Agent if args.tutorial else BatchAgent
-    common.launch(run_worker, common.process_count(args.world_size), args, agent_class, saved, timeout=args.rpc_timeout)
+    if torchrun:  # started by torchrun (RANK set): this process's part
+        run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, agent_class, saved)
+    else:
+        with common.rendezvous() as store:
+            mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved), nprocs=args.world_size,
+                     join=True)
 
 
 if __name__ == "__main__":

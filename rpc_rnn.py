@@ -30,7 +30,6 @@ The trainer prints (the ps says nothing unless it fails); the last lines of a ru
     {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, ..., "batches": 200, "losses": [...], ...}
 """
 
-import contextlib
 import logging
 import math
 import time
@@ -41,6 +40,7 @@ from typing import Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import rpc
@@ -53,6 +53,7 @@ PS_NAME = "ps"
 TRAINER_NAME = "trainer"
 SCRIPT = "rpc_rnn"
 EVAL_BATCH_SIZE = 10  # word_language_model's, for the valid and test sets
+CHECKPOINT = "rpc_rnn.pt"  # the file in --checkpoint-dir
 
 
 @dataclass
@@ -122,7 +123,7 @@ def validate(args):
     """The rules that involve several flags, the machine or the launcher's variables (each flag's own rule is its
     type in Args), checked before any data is read: each broken rule is one line and exit status 2."""
     check(0 <= args.dropout < 1, f"--dropout {args.dropout}: not from 0 up to, not including, 1")
-    check(not args.cuda or common.cuda_device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
+    check(not args.cuda or torch.cuda.device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
     check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
           "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")
     check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (the two sides draw "
@@ -130,8 +131,9 @@ def validate(args):
     check(args.checkpoint_dir or not args.resume, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
                                         "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
-    check(not (args.save and args.checkpoint_dir) or Path(args.save).resolve() != checkpoint_path(args).resolve(),
-          f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
+    if args.save and args.checkpoint_dir:
+        check(Path(args.save).resolve() != Path(args.checkpoint_dir, CHECKPOINT).resolve(),
+              f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -149,6 +151,24 @@ def settle(module):
     writers last, readers of others' writes first. Nothing to do on the CPU."""
     for device in {param.device for param in module.parameters() if param.is_cuda}:
         torch.cuda.synchronize(device)
+
+
+def _call_method(method, rref, *args):
+    return method(rref.local_value(), *args)
+
+
+def _remote_method(method, rref, *args):
+    """method(the object rref points to, *args), run by RPC where the object lives (the tutorial's helper), for what
+    the RRef idiom `rref.rpc_sync().method(*args)` cannot do: call a function that is not a method of the object."""
+    return rpc.rpc_sync(rref.owner(), _call_method, args=(method, rref, *args))
+
+
+def _parameter_rrefs(module):
+    return [rpc.RRef(param) for param in module.parameters()]
+
+
+def _set_mode(module, mode):
+    module.train(mode)  # by RPC, where nn.Module.train itself would send the whole module back
 
 
 class EmbeddingTable(nn.Module):
@@ -233,23 +253,10 @@ class RNNModel(nn.Module):
                 + _remote_method(_parameter_rrefs, self.decoder_rref))
 
     def train(self, mode=True):
-        """Beyond the tutorial: nn.Module.train on the ps's pieces too (their dropout); eval() calls it."""
-        on_pieces(self, nn.Module.train, mode)
+        """Beyond the tutorial: the ps's pieces switch too (their dropout); eval() calls this."""
+        _remote_method(_set_mode, self.emb_table_rref, mode)
+        _remote_method(_set_mode, self.decoder_rref, mode)
         return super().train(mode)
-
-
-def _call_method(method, rref, *args):
-    return method(rref.local_value(), *args)
-
-
-def _remote_method(method, rref, *args):
-    """method(the object rref points to, *args), run by RPC where the object lives (the tutorial's helper), for what
-    the RRef idiom `rref.rpc_sync().method(*args)` cannot do: call a function that is not a method of the object."""
-    return rpc.rpc_sync(rref.owner(), _call_method, args=(method, rref, *args))
-
-
-def _parameter_rrefs(module):
-    return [rpc.RRef(param) for param in module.parameters()]
 
 
 def init_hidden(rnn, batch_size, device="cpu"):
@@ -270,115 +277,24 @@ class PlainSGD(torch.optim.SGD):
     """torch.optim.SGD under a name of its own. DistributedOptimizer swaps the optimizers it knows (optim.SGD among
     them) for TorchScript versions: TorchScript is deprecated, and every owner then prints a DeprecationWarning that
     no warnings filter silences (torch forces it). Any other class it builds on each owner as it is and steps with
-    the context's gradients, and only logs that this may be slow under the GIL: see run_trainer."""
+    the context's gradients, and only logs that this may be slow under the GIL: see run_worker."""
 
 
-def run_trainer(args, corpus, device, ps_device, saved):
-    """The trainer's run: epochs of bptt windows, validation after each (lr / 4 when it did not improve, the best
-    weights kept), then the test of the best weights. The ps only answers the RPCs this makes."""
-    # The GIL warning of an optimizer without TorchScript (PlainSGD) concerns threads training in one process: here
-    # each owner of parameters is a process of its own.
-    logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
-    model = RNNModel(PS_NAME, len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed,
-                     device, ps_device, args.ship_logits)
-    if args.check_gradients:
-        return check_gradients(args, corpus, model, device)
-    train_data = batchify(corpus.train, args.batch_size, device)
-    valid_data, test_data = (batchify(data, EVAL_BATCH_SIZE, device) for data in (corpus.valid, corpus.test))
-    batches = min(math.ceil((train_data.size(0) - 1) / args.bptt), args.max_batches or math.inf)
-    run = resume(args, model, saved) if saved else start(args)
-    while run.epoch <= args.epochs:
-        # SGD keeps no state but lr: a new optimizer with this epoch's lr continues exactly where the last one was
-        opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=run.lr)
-        model.train()
-        seed_epoch(args, run.epoch)  # beyond the tutorial: each epoch's dropout masks, the same after a resume
-        hidden = init_hidden(model.rnn, args.batch_size, device)
-        epoch_start = since = time.perf_counter()
-        for batch in range(batches):
-            input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
-            # create distributed autograd context
-            with dist_autograd.context() as context_id:
-                hidden = detach_hidden(hidden)
-                loss, hidden = model.loss(input, targets, hidden)
-                # run distributed backward pass
-                dist_autograd.backward(context_id, [loss])
-                clip_grad_norm(model, context_id, args.clip)  # beyond the tutorial: the recipe clips
-                # run distributed optimizer; no zero_grad: the gradients live in this context, which ends here
-                opt.step(context_id)
-                on_pieces(model, settle)  # the step's writes done (GPU) before the next window reads the weights
-            run.losses.append(loss.item())
-            run.tokens += targets.numel()
-            if (batch + 1) % args.log_interval == 0 or batch + 1 == batches:
-                count, seconds = batch % args.log_interval + 1, time.perf_counter() - since  # since the last line
-                mean = sum(run.losses[-count:]) / count
-                print(f"epoch {run.epoch} | batch {batch + 1}/{batches} | lr {run.lr:.2f} | "
-                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f}",
-                      flush=True)
-                run.seconds, since = run.seconds + seconds, time.perf_counter()
-        epoch_seconds = time.perf_counter() - epoch_start
-        valid_loss = evaluate(model, valid_data, args.bptt)
-        print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
-              f"{epoch_seconds:.1f} s/epoch", flush=True)
-        if valid_loss < run.best_valid:
-            run.best_valid, run.best_state = valid_loss, gathered(model, cpu_state_dict)
-            if args.save:
-                save(args.save, "--save", args, corpus, model=run.best_state, valid_loss=valid_loss)
-        else:
-            run.lr /= 4
-        run.epoch += 1
-        write_checkpoint(args, corpus, model, run)
-    if run.best_state is not None:
-        load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
-    test_loss = evaluate(model, test_data, args.bptt)
-    print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
-    report(args, run, len(corpus.words), test_loss, device, ps_device)
-
-
-def evaluate(model, data, bptt):
-    """Mean loss per word over a whole split, dropout off. Grad mode does not travel with an RPC: under this no_grad
-    the ps still records the autograd graph of its forward, and drops it when the call returns."""
-    model.eval()
-    total, hidden = 0.0, init_hidden(model.rnn, data.size(1), data.device)
-    with torch.no_grad():
-        for i in range(0, data.size(0) - 1, bptt):
-            input, targets = get_batch(data, i, bptt)
+def train_batches(model, opt, batches, hidden):
+    """The tutorial's training loop over (input, targets) windows: in a distributed autograd context, the forward
+    (the embedding and the decoder run on the ps), the loss, backward across both processes and one step of the
+    DistributedOptimizer, which steps each owner's parameters with the gradients of this context. Yields each
+    window's loss."""
+    for input, targets in batches:
+        # create distributed autograd context
+        with dist_autograd.context() as context_id:
+            hidden = detach_hidden(hidden)
             loss, hidden = model.loss(input, targets, hidden)
-            total += input.size(0) * loss.item()
-    return total / (data.size(0) - 1)
-
-
-def run_worker(info, args, corpus, saved):
-    """Rank 0 becomes the ps and answers RPCs until the trainer is done; rank 1 becomes the trainer."""
-    # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
-    # the same time: each may use every core of the machine while the other waits.
-    torch.set_num_threads(common.usable_cpus())
-    if args.cuda and args.check_gradients:
-        common.set_tf32(False)  # the check compares with the CPU: IEEE float32 on both sides
-    # The ps takes GPU 0 of its machine; the trainer takes the second GPU of a machine it shares with the ps, if
-    # there is one. Tensors sent to the ps land on its GPU and the replies come back, by the map, not .to() calls.
-    device = common.pick_device(args.cuda, common.local_gpu_index(info.local_rank))
-    ps_device, devices = (torch.device("cuda", 0), [device]) if args.cuda else (torch.device("cpu"), None)
-    common.init_rpc(info, TRAINER_NAME if info.rank else PS_NAME, args.rpc_timeout, devices=devices,
-                    device_maps={PS_NAME: {device: ps_device}} if args.cuda and info.rank else None)
-    if info.rank == 1:
-        try:
-            run_trainer(args, corpus, device, ps_device, saved)
-        except common.RunFailed:  # a full disk, said in one line: shut down in order, so that the ps adds nothing
-            with contextlib.suppress(RuntimeError, OSError):  # nor can the rendezvous store be written
-                rpc.shutdown()
-            raise
-    rpc.shutdown()  # the ps waits here, answering RPCs, until the trainer is done too
-
-
-def main(argv=None):
-    args = common.parse_args(Args, argv)
-    validate(args)
-    if args.generate:
-        return generate(args)
-    saved = read_checkpoint(args, checkpoint_path(args)) if args.resume else None
-    corpus = Corpus(common.wikitext2_dir(args.data_dir))
-    check_corpus(args, corpus, saved)
-    common.launch(run_worker, 2, args, corpus, saved, timeout=args.rpc_timeout)
+            # run distributed backward pass
+            dist_autograd.backward(context_id, [loss])
+            # run distributed optimizer; no zero_grad: the gradients live in this context, which ends here
+            opt.step(context_id)
+        yield loss.item()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -403,6 +319,17 @@ class Corpus:
         self.words = list(index)
 
 
+WIKITEXT2_MIRRORS = ["https://raw.githubusercontent.com/pytorch/examples/main/word_language_model/data/wikitext-2/"]
+WIKITEXT2_FILES = {"train.txt": "34a77ebe59551b3a3b3d8c0a2797c976", "valid.txt": "d756d22ab2310e7e60c094bea5c5a8eb",
+                   "test.txt": "781c9418ab9414bd09e4aad825aae752"}
+
+
+def wikitext2_dir(data_dir=None, mirrors=WIKITEXT2_MIRRORS):
+    """Folder with train/valid/test.txt of WikiText-2. A --data-dir that already holds the three files is used
+    as it is (any text in that format, unchecked); downloads are checked against the published md5s."""
+    return common.fetch_dataset(data_dir, "wikitext-2", WIKITEXT2_FILES, mirrors)
+
+
 def check_corpus(args, corpus, saved):
     """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
     have been written for this text."""
@@ -424,6 +351,12 @@ def get_batch(source, i, bptt):
     """Window of up to bptt rows starting at row i, and the same window shifted one word ahead as targets."""
     length = min(bptt, source.size(0) - 1 - i)
     return source[i:i + length], source[i + 1:i + 1 + length]
+
+
+def windows(data, bptt, count=None):
+    """The first `count` (all, if None) bptt windows of batchified data, as (input, targets)."""
+    starts = range(0, data.size(0) - 1, bptt)
+    return [get_batch(data, i, bptt) for i in starts[:count]]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -477,6 +410,21 @@ def clip_grads(module, context_id, max_norm, total_norm):
     nn.utils.clip_grads_with_norm_(module.parameters(), max_norm, total_norm)
 
 
+class ClippedOptimizer(DistributedOptimizer):
+    """torch's DistributedOptimizer (SGD on each owner of parameters, PlainSGD) that first clips the gradients of
+    the context on their global norm over both processes (clip_grad_norm, kept in `norms`), and after the step waits
+    until its writes are done on GPUs (see settle): the next window reads the weights it wrote."""
+
+    def __init__(self, model, lr, max_norm):
+        super().__init__(PlainSGD, model.parameter_rrefs(), lr=lr)
+        self.model, self.max_norm, self.norms = model, max_norm, []
+
+    def step(self, context_id):
+        self.norms.append(clip_grad_norm(self.model, context_id, self.max_norm))
+        super().step(context_id)
+        on_pieces(self.model, settle)
+
+
 def cpu_state_dict(module):
     """Copies of a module's weights on the CPU (a kept best state must not follow the live weights)."""
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
@@ -524,41 +472,11 @@ def context_grads(module, context_id):
     return {name: grads[param].cpu() for name, param in module.named_parameters()}
 
 
-def check_gradients(args, corpus, model, device):
-    """Same weights, same batches, in one process and over RPC: report the largest differences of loss, clipped
-    gradients and updated weights. Needs --dropout 0: the two runs draw their dropout masks differently."""
-    local = LocalRNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed)
-    local_opt = PlainSGD(local.parameters(), lr=args.lr)
-    opt = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=args.lr)
-    train_data = batchify(corpus.train, args.batch_size, "cpu")
-    hidden, local_hidden = init_hidden(model.rnn, args.batch_size, device), init_hidden(local.rnn, args.batch_size)
-    worst, norms = [0.0, 0.0, 0.0], []  # the largest differences of loss, gradients and weights
-    for batch in range(min(args.max_batches or 2, math.ceil((train_data.size(0) - 1) / args.bptt))):
-        input, targets = get_batch(train_data, batch * args.bptt, args.bptt)
-        with dist_autograd.context() as context_id:  # as run_trainer, the gradients gathered before the step
-            loss, hidden = model.loss(input.to(device), targets.to(device), detach_hidden(hidden))
-            dist_autograd.backward(context_id, [loss])
-            norms.append(clip_grad_norm(model, context_id, args.clip))
-            grads = gathered(model, context_grads, context_id)
-            opt.step(context_id)
-        local_opt.zero_grad()
-        local_loss, local_hidden = local.loss(input, targets, detach_hidden(local_hidden))
-        local_loss.backward()
-        nn.utils.clip_grad_norm_(local.parameters(), args.clip)
-        local_opt.step()
-        weights = gathered(model, cpu_state_dict)  # which settles the step's writes too
-        worst = [max(worst[0], abs(loss.item() - local_loss.item())),
-                 max([worst[1]] + [(grads[name] - p.grad).abs().max().item() for name, p in local.named_parameters()]),
-                 max([worst[2]] + [(weights[name] - p).abs().max().item() for name, p in local.state_dict().items()])]
-    common.emit_result(SCRIPT, mode="check-gradients", batches=len(norms), grad_norms=norms, clip=args.clip,
-                       compared=len(grads), **dict(zip(("loss_diff", "max_grad_diff", "max_param_diff"), worst)))
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: reporting, checkpoints and exact resume, sampling
+# Beyond the tutorial: word_language_model's recipe (epochs, validation, lr / 4, the best weights), checkpoints
 # ---------------------------------------------------------------------------------------------------------
 
-def start(args):
+def new_run(args):
     """Where a run stands, on the trainer, between two epochs. With the weights, it is all a checkpoint needs to
     continue exactly: SGD keeps no state but lr, each epoch starts from a zero LSTM state, and seed_epoch seeds its
     dropout masks. `epoch` is the next one, `best_state` the weights of the best valid loss, under LocalRNNModel's
@@ -566,23 +484,39 @@ def start(args):
     return SimpleNamespace(lr=args.lr, epoch=1, best_valid=math.inf, best_state=None, losses=[], tokens=0, seconds=0.0)
 
 
-def resume(args, model, saved):
+def seed_dropout(seed):
+    torch.manual_seed(seed)  # (called by RPC: torch.manual_seed itself returns a generator, which RPC cannot send)
+
+
+def seed_epoch(args, epoch):
+    """Seed the generators that draw the dropout masks, on both processes, from --seed, the epoch and the rank: a
+    run resumed at an epoch's start draws the masks an uninterrupted run draws, with no RNG state in the checkpoint.
+    Epoch 1 uses --seed on the ps and --seed + 1 on the trainer. On CUDA this reaches cuDNN's LSTM too: its dropout
+    state, which torch does not expose, is drawn again from the CUDA generator once that is seeded."""
+    rpc.rpc_sync(PS_NAME, seed_dropout, args=(args.seed + 2 * (epoch - 1),))
+    seed_dropout(args.seed + 2 * (epoch - 1) + 1)
+
+
+def evaluate(model, data, bptt):
+    """Mean loss per word over a whole split, dropout off. Grad mode does not travel with an RPC: under this no_grad
+    the ps still records the autograd graph of its forward, and drops it when the call returns."""
+    model.eval()
+    total, hidden = 0.0, init_hidden(model.rnn, data.size(1), data.device)
+    with torch.no_grad():
+        for input, targets in windows(data, bptt):
+            loss, hidden = model.loss(input, targets, hidden)
+            total += input.size(0) * loss.item()
+    return total / (data.size(0) - 1)
+
+
+def restore_run(args, model, saved):
     """Put the weights of both processes back, and the run where the checkpoint was taken."""
     load_gathered(model, saved["model"])
-    print(f"resuming at epoch {saved['run']['epoch']} from {checkpoint_path(args)}", flush=True)
+    print(f"resuming at epoch {saved['run']['epoch']} from {Path(args.checkpoint_dir, CHECKPOINT)}", flush=True)
     return SimpleNamespace(**saved["run"])
 
 
-def report(args, run, ntoken, test_loss, device, ps_device):
-    """The run's JSON line: the training losses of the first 200 batches, the best valid loss, the test loss."""
-    common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=ntoken,
-                       devices={PS_NAME: str(ps_device), TRAINER_NAME: str(device)}, batches=len(run.losses),
-                       losses=[round(x, 6) for x in run.losses[:200]], valid_loss=run.best_valid,
-                       valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
-                       test_ppl=math.exp(min(test_loss, 50)), lr=run.lr, tokens_per_s=run.tokens / run.seconds)
-
-
-def save(path, flag, args, corpus, **state):
+def save_model(path, flag, args, corpus, **state):
     """A file that `LocalRNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])` loads, with ckpt =
     torch.load(path), written atomically by common.save_checkpoint: a failed write keeps the previous file."""
     config = {"ntoken": len(corpus.words), "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers,
@@ -590,22 +524,10 @@ def save(path, flag, args, corpus, **state):
     common.save_checkpoint(path, SCRIPT, {"vocab": corpus.words, "config": config, **state}, flag)
 
 
-def checkpoint_path(args):
-    return Path(args.checkpoint_dir) / "rpc_rnn.pt"
-
-
 def recipe(args):
     """The flags that a resumed run must share with the run that wrote the checkpoint: they change the math."""
     return {name: getattr(args, name) for name in ("emsize", "nhid", "nlayers", "dropout", "batch_size", "bptt", "lr",
                                                    "clip", "seed", "max_batches")}
-
-
-def write_checkpoint(args, corpus, model, run):
-    """The whole run after an epoch, from both processes, in one file in --checkpoint-dir, written by the trainer:
-    the weights (also loadable by --generate) and where the run stands."""
-    if args.checkpoint_dir:
-        save(checkpoint_path(args), "--checkpoint-dir", args, corpus, model=gathered(model, cpu_state_dict),
-             recipe=recipe(args), run=vars(run))
 
 
 def read_checkpoint(args, path):
@@ -623,21 +545,95 @@ def read_checkpoint(args, path):
     return saved
 
 
-def seed_epoch(args, epoch):
-    """Seed the generators that draw the dropout masks, on both processes, from --seed, the epoch and the rank: a
-    run resumed at an epoch's start draws the masks an uninterrupted run draws, with no RNG state in the checkpoint.
-    Epoch 1 uses --seed on the ps and --seed + 1 on the trainer. On CUDA this reaches cuDNN's LSTM too: its dropout
-    state, which torch does not expose, is drawn again from the CUDA generator once that is seeded."""
-    rpc.rpc_sync(PS_NAME, common.seed_everything, args=(args.seed + 2 * (epoch - 1),))
-    common.seed_everything(args.seed + 2 * (epoch - 1) + 1)
+def run_trainer(args, corpus, model, device, saved):
+    """word_language_model's recipe around the tutorial's loop (train_batches): epochs of bptt windows, a log line
+    every --log-interval batches, validation after each epoch (lr / 4 when it did not improve, the best weights
+    kept, --save), a checkpoint after each, then the test of the best weights and the JSON line."""
+    train_data = batchify(corpus.train, args.batch_size, device)
+    valid_data, test_data = (batchify(data, EVAL_BATCH_SIZE, device) for data in (corpus.valid, corpus.test))
+    run = restore_run(args, model, saved) if saved else new_run(args)
+    while run.epoch <= args.epochs:
+        # SGD keeps no state but lr: a new optimizer with this epoch's lr continues exactly where the last one was
+        opt = ClippedOptimizer(model, run.lr, args.clip)
+        model.train()
+        seed_epoch(args, run.epoch)
+        batches = windows(train_data, args.bptt, args.max_batches)
+        epoch_start = since = time.perf_counter()
+        losses = train_batches(model, opt, batches, init_hidden(model.rnn, args.batch_size, device))
+        for batch, loss in enumerate(losses, 1):
+            run.losses.append(loss)
+            run.tokens += batches[batch - 1][1].numel()
+            if batch % args.log_interval == 0 or batch == len(batches):
+                count, seconds = (batch - 1) % args.log_interval + 1, time.perf_counter() - since  # since the last line
+                mean = sum(run.losses[-count:]) / count
+                print(f"epoch {run.epoch} | batch {batch}/{len(batches)} | lr {run.lr:.2f} | "
+                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f}",
+                      flush=True)
+                run.seconds, since = run.seconds + seconds, time.perf_counter()
+        epoch_seconds = time.perf_counter() - epoch_start
+        valid_loss = evaluate(model, valid_data, args.bptt)
+        print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
+              f"{epoch_seconds:.1f} s/epoch", flush=True)
+        if valid_loss < run.best_valid:
+            run.best_valid, run.best_state = valid_loss, gathered(model, cpu_state_dict)
+            if args.save:
+                save_model(args.save, "--save", args, corpus, model=run.best_state, valid_loss=valid_loss)
+        else:
+            run.lr /= 4
+        run.epoch += 1
+        if args.checkpoint_dir:  # the whole run, from both processes: the weights and where the run stands
+            save_model(Path(args.checkpoint_dir, CHECKPOINT), "--checkpoint-dir", args, corpus,
+                       model=gathered(model, cpu_state_dict), recipe=recipe(args), run=vars(run))
+    if run.best_state is not None:
+        load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
+    test_loss = evaluate(model, test_data, args.bptt)
+    print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
+    common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=len(corpus.words),
+                       devices={PS_NAME: "cuda:0" if args.cuda else "cpu", TRAINER_NAME: str(device)},
+                       batches=len(run.losses),
+                       losses=[round(x, 6) for x in run.losses[:200]], valid_loss=run.best_valid,
+                       valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
+                       test_ppl=math.exp(min(test_loss, 50)), lr=run.lr, tokens_per_s=run.tokens / run.seconds)
 
 
-def generate(args):
-    """Load a saved model into LocalRNNModel, checked to fit, and sample words from it one at a time."""
+def compare_gradients(args, corpus, model, device, saved=None):
+    """--check-gradients: the same weights and batches in one process and over RPC (the tutorial's loop with the
+    recipe's clipping); reports the largest differences of loss, clipped gradients and updated weights. Needs
+    --dropout 0: the two runs draw their dropout masks differently."""
+    local = LocalRNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed)
+    local_opt = PlainSGD(local.parameters(), lr=args.lr)
+    opt, norms = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=args.lr), []
+    batches = windows(batchify(corpus.train, args.batch_size, "cpu"), args.bptt, args.max_batches or 2)
+    hidden, local_hidden = init_hidden(model.rnn, args.batch_size, device), init_hidden(local.rnn, args.batch_size)
+    worst = {"loss_diff": 0.0, "max_grad_diff": 0.0, "max_param_diff": 0.0}
+    for input, targets in batches:
+        with dist_autograd.context() as context_id:  # as train_batches, the gradients gathered before the step
+            loss, hidden = model.loss(input.to(device), targets.to(device), detach_hidden(hidden))
+            dist_autograd.backward(context_id, [loss])
+            norms.append(clip_grad_norm(model, context_id, args.clip))
+            grads = gathered(model, context_grads, context_id)
+            opt.step(context_id)
+        local_opt.zero_grad()
+        local_loss, local_hidden = local.loss(input, targets, detach_hidden(local_hidden))
+        local_loss.backward()
+        nn.utils.clip_grad_norm_(local.parameters(), args.clip)
+        local_opt.step()
+        weights = gathered(model, cpu_state_dict)  # which settles the step's writes too
+        worst["loss_diff"] = max(worst["loss_diff"], abs(loss.item() - local_loss.item()))
+        for name, param in local.named_parameters():
+            worst["max_grad_diff"] = max(worst["max_grad_diff"], (grads[name] - param.grad).abs().max().item())
+            worst["max_param_diff"] = max(worst["max_param_diff"], (weights[name] - param).abs().max().item())
+    common.emit_result(SCRIPT, mode="check-gradients", batches=len(norms), grad_norms=norms, clip=args.clip,
+                       compared=len(grads), **worst)
+
+
+def generate_words(args):
+    """--generate: load a saved model into LocalRNNModel, checked to fit, and sample words from it one at a time,
+    in this process (no RPC)."""
     saved = common.load_checkpoint(args.load, SCRIPT, "--load", keys=("model", "vocab", "config"))
     words = saved["vocab"]
     model = common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--load", args.load).eval()
-    common.seed_everything(args.seed)
+    torch.manual_seed(args.seed)
     input, hidden = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1)
     with torch.no_grad():
         for i in range(args.generate):
@@ -645,6 +641,53 @@ def generate(args):
             input.fill_(torch.multinomial(F.softmax(logits.view(-1) / args.temperature, dim=0), 1).item())
             print(words[input.item()], end="\n" if i % 20 == 19 or i + 1 == args.generate else " ")
     common.emit_result(SCRIPT, mode="generate", words=args.generate, vocab=len(words))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The processes: the ps and the trainer, started by mp.spawn or torchrun
+# ---------------------------------------------------------------------------------------------------------
+
+@common.worker
+def run_worker(rank, world_size, store, args, corpus, saved, trainer):
+    """Rank 0 becomes the ps and answers RPCs until the trainer is done; rank 1 becomes the trainer and runs
+    `trainer` (run_trainer, or compare_gradients for --check-gradients) on the tutorial's RNNModel."""
+    # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
+    # the same time: each may use every core of the machine while the other waits.
+    torch.set_num_threads(common.usable_cpus())
+    # The GIL warning of an optimizer without TorchScript (PlainSGD) concerns threads training in one process: here
+    # each owner of parameters is a process of its own.
+    logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
+    # The ps takes GPU 0 of its machine; the trainer takes the second GPU of a machine it shares with the ps, if
+    # there is one. Tensors sent to the ps land on its GPU and the replies come back, by the map, not .to() calls.
+    device = common.pick_device(args.cuda, min(common.local_rank(rank), torch.cuda.device_count() - 1))
+    if device.type == "cuda":
+        common.set_tf32(not args.check_gradients)  # the check compares with the CPU: IEEE float32 on both sides
+    ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
+    common.init_rpc(store, TRAINER_NAME if rank else PS_NAME, rank, world_size, args.rpc_timeout,
+                    device_maps={PS_NAME: {device: ps_device}} if args.cuda and rank else None,
+                    devices=[device] if args.cuda else None)
+    if rank == 1:
+        model = RNNModel(PS_NAME, len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed,
+                         device, ps_device, args.ship_logits)
+        trainer(args, corpus, model, device, saved)
+    rpc.shutdown()  # the ps waits here, answering RPCs, until the trainer is done too
+
+
+def main(argv=None):
+    args = common.parse_args(Args, argv)
+    validate(args)
+    if args.generate:  # sampling from a saved model: one process, no RPC
+        return generate_words(args)
+    saved = read_checkpoint(args, Path(args.checkpoint_dir, CHECKPOINT)) if args.resume else None
+    corpus = Corpus(wikitext2_dir(args.data_dir))
+    check_corpus(args, corpus, saved)
+    trainer = compare_gradients if args.check_gradients else run_trainer
+    torchrun = common.torchrun_env()
+    if torchrun:  # started by torchrun (RANK set): this process's part
+        run_worker(torchrun["RANK"], 2, "env://", args, corpus, saved, trainer)
+    else:
+        with common.rendezvous() as store:
+            mp.spawn(run_worker, args=(2, store, args, corpus, saved, trainer), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def data_root():
 @functools.cache
 def _find_data(name):
     import common
-    find = {"fashion-mnist": common.fashion_mnist_dir, "wikitext-2": common.wikitext2_dir}[name]
+    import rpc_rnn
+    find = {"fashion-mnist": common.fashion_mnist_dir, "wikitext-2": rpc_rnn.wikitext2_dir}[name]
     try:
         return find(data_root()), None
     except common.UsageError as error:
@@ -130,6 +131,13 @@ def assert_help_follows_the_rules(module, capsys):
         assert re.search(rf"^  {flag}(, --no-[a-z0-9-]+)?( [^ ]+)? +\S", text, flags=re.M) or \
             re.search(rf"^  {flag}[^\n]*\n {{20,}}\S", text, flags=re.M), f"{flag} has no help text"
     return text
+
+
+def unprivileged(command):
+    """command as a process held to the files' permission bits: as root (a CI container), in a user namespace of its
+    own (`unshare --user`), where root's privileges over the file system do not reach."""
+    command = [str(part) for part in command]
+    return ["unshare", "--user", *command] if os.geteuid() == 0 else command
 
 
 def run_script(script, *args, timeout=120, env=None):

@@ -397,8 +397,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(what, args, fragments, 
 
 def test_no_cuda_device_is_one_line_exit_2(monkeypatch, capsys, tmp_path):
     async_hpo = import_keeping_environment("async_hpo")
+    import torch
+
     import common
-    monkeypatch.setattr(common, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(sys, "argv", ["async_hpo.py", "--cuda", "--results-dir", str(tmp_path / "results")])
     with pytest.raises(SystemExit) as exit_info:
         common.run_main(async_hpo.main)
@@ -427,8 +429,10 @@ def test_max_trials_makes_the_scheduler_propose_that_many():
     """--max-trials: the scheduler proposes N configurations, then None, Syne Tune's "nothing left to try"."""
     async_hpo = import_keeping_environment("async_hpo")
     space = async_hpo.make_config_space(async_hpo.Args(), "data")
-    scheduler = async_hpo.at_most(async_hpo.make_scheduler(async_hpo.Args(), space), 3)
-    assert [scheduler.suggest() is not None for _ in range(5)] == [True, True, True, False, False]
+    for name in ("random", "bo", "asha", "local"):
+        scheduler = async_hpo.make_scheduler(async_hpo.Args(scheduler=name), space)
+        scheduler.searcher = async_hpo.AtMost(scheduler.searcher, 3)
+        assert [scheduler.suggest() is not None for _ in range(5)] == [True, True, True, False, False], name
 
 
 def test_holdout_validates_on_training_images_unseen_in_training():
@@ -657,9 +661,8 @@ def test_each_trial_gets_the_gpu_fewest_running_trials_use(monkeypatch, tmp_path
     """As an index among the GPUs the tuner sees (the trial sees the same ones): with 2 GPUs, two running trials
     get one each; the third, once the first has ended, gets the first's GPU."""
     async_hpo = import_keeping_environment("async_hpo")
+    import torch
     from syne_tune.backend import LocalBackend
-
-    import common
 
     class Process:
         def __init__(self):
@@ -674,7 +677,7 @@ def test_each_trial_gets_the_gpu_fewest_running_trials_use(monkeypatch, tmp_path
         scheduled[trial_id] = config["gpu"]
         backend.trial_subprocess[trial_id] = Process()
 
-    monkeypatch.setattr(common, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(LocalBackend, "_schedule", schedule)
     backend = async_hpo.WatchedTrials(60, entry_point=str(REPO / "async_hpo.py"))
     backend._schedule(0, {"device": "cuda"})

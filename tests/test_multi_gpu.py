@@ -110,8 +110,10 @@ def test_plot_is_a_png_of_the_learning_curve(one_process):
 ALLREDUCE_CHECK = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, {repo!r})
-    from common import init_process_group, launch
-    from multi_gpu import ring_allreduce, tutorial_allreduce
+    import torch.multiprocessing as mp
+    import common
+    from common import init_process_group
+    from multi_gpu import allreduce as tutorial_allreduce, ring_allreduce
 
     per_operation = dist.batch_isend_irecv  # gloo's contract: one request per operation
 
@@ -130,27 +132,30 @@ ALLREDUCE_CHECK = textwrap.dedent("""
         return [BatchRequest(per_operation(operations))]
 
 
-    def worker(info, backend):
-        device = torch.device("cuda", info.local_rank) if backend == "nccl" else torch.device("cpu")
+    @common.worker
+    def worker(rank, world_size, store, backend):
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if backend == "nccl":
             torch.cuda.set_device(device)
-        init_process_group(info, backend, 30, device_id=device if backend == "nccl" else None)
+        init_process_group(store, rank, world_size, backend, 30, device_id=device if backend == "nccl" else None)
         # on NCCL its own batch_isend_irecv; on gloo gloo's, then NCCL's contract emulated
         for contract in (per_operation,) if backend == "nccl" else (per_operation, coalesced):
             dist.batch_isend_irecv = contract
             for size in (1, 2, 7, 1000, 12345):
                 for allreduce in (ring_allreduce, tutorial_allreduce):
-                    data = torch.arange(size, dtype=torch.float64, device=device) * (info.rank + 1) + info.rank
+                    data = torch.arange(size, dtype=torch.float64, device=device) * (rank + 1) + rank
                     expected = data.clone()
                     dist.all_reduce(expected)
-                    allreduce(data, info.rank, info.world_size)
-                    assert torch.equal(data, expected), (contract.__name__, allreduce.__name__, size, info.rank)
-        if info.rank == 0:
-            print("allreduce ok", info.world_size)
+                    allreduce(data, rank, world_size)
+                    assert torch.equal(data, expected), (contract.__name__, allreduce.__name__, size, rank)
+        if rank == 0:
+            print("allreduce ok", world_size)
         dist.destroy_process_group()
 
     if __name__ == "__main__":
-        launch(worker, int(sys.argv[1]), sys.argv[2])
+        with common.rendezvous() as store:
+            common.run_main(lambda: mp.spawn(worker, args=(int(sys.argv[1]), store, sys.argv[2]),
+                                             nprocs=int(sys.argv[1])))
 """)
 
 
@@ -313,18 +318,28 @@ def test_under_torchrun_gpus_must_match_the_processes_on_the_machine():
     assert_usage_error(proc, "--gpus 1: torchrun started 2 processes on this machine", "pass --gpus 2")
 
 
-def test_the_gpu_of_each_local_process(monkeypatch):
-    monkeypatch.setattr(common, "cuda_device_count", lambda: 4)
-    assert [common.local_gpu_index(rank) for rank in range(4)] == [0, 1, 2, 3]
-    assert common.gpu_per_process_problem(4) is None
-    assert "8 processes on this machine need a GPU each, and it shows 4" in common.gpu_per_process_problem(8)
-    # A scheduler that gives each process its own GPU (one visible device): every local rank takes cuda:0.
-    monkeypatch.setattr(common, "cuda_device_count", lambda: 1)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5b6c")
-    assert common.local_gpu_index(3) == 0 and common.gpu_per_process_problem(4) is None
-    # One GPU that every process would see: NCCL refuses two processes on one GPU, so this is refused first.
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert common.gpu_per_process_problem(2) is not None
+@pytest.mark.parametrize("visible", [None, "0", "GPU-5b6c"])
+def test_torchrun_with_one_gpu_for_two_processes_is_refused_before_any_rendezvous(visible, monkeypatch, capsys):
+    """NCCL refuses two ranks on one GPU; a machine (or a scheduler's CUDA_VISIBLE_DEVICES) that shows torchrun's two
+    local processes one GPU is one line and exit 2, with --gpus given or not, before the data is read. Four GPUs
+    for two processes are fine: each takes the GPU of its LOCAL_RANK."""
+    for name, value in torchrun_environment(1, 2).items():
+        monkeypatch.setenv(name, value)
+    if visible:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(common, "fashion_mnist_dir", lambda *_: pytest.fail("the data read despite bad input"))
+    for gpus in (["--gpus", "2"], []):
+        monkeypatch.setattr(sys, "argv", ["multi_gpu.py", *gpus])
+        with pytest.raises(SystemExit) as exited:
+            common.run_main(multi_gpu.main)
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        assert "shows 1 GPUs, and NCCL needs one per process; start 1 processes, or pass --gpus 0" in stderr
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    args = multi_gpu.Args()
+    multi_gpu.validate(args)
+    assert args.gpus == 2
 
 
 def test_help_follows_the_rules(capsys):
@@ -402,8 +417,8 @@ BAD_INPUT = {
     "procs 0": (["--procs", 0], ["--procs 0: not a whole number, 1 or more"], None, None),
     "procs 5000 (new)": (["--procs", 5000], ["--procs 5000: more than", "--oversubscribe"], None, None),
     "gpus negative": (["--gpus", -1], ["--gpus -1: not a whole number, 0 or more"], None, None),
-    "more gpus than the machine has": (["--gpus", gpu_count() + 1], [f"--gpus {gpu_count() + 1}: this machine has "
-                                       f"{gpu_count()} GPUs", f"pass --gpus {gpu_count()}"], None, None),
+    "more gpus than the machine has": (["--gpus", gpu_count() + 1], [f"--gpus {gpu_count() + 1}: this machine shows "
+                                       f"{gpu_count()} GPUs", "pass --gpus 0 to train on CPUs"], None, None),
     "batch size 0": (["--batch-size", 0], ["--batch-size 0: not a whole number, 1 or more"], None, None),
     "batch size below the processes": (["--procs", 3, "--batch-size", 2], ["--batch-size 2: smaller than the 3 "
                                                                            "processes"], None, None),
@@ -434,7 +449,7 @@ BAD_INPUT = {
     "plot without an extension (new)": (["--plot", "{tmp}/curve"], ["--plot", "name a .png"], None, None),
     # paths the file system refuses, or that are not what they must be
     "plot name too long (new)": (["--plot", f"{{tmp}}/{LONG}.png"], ["--plot", "File name too long"], None, None),
-    "plot is /dev/null (new)": (["--plot", "/dev/null"], ["--plot /dev/null: name a .png"], None, None),
+    "plot is /dev/null (new)": (["--plot", "/dev/null"], ["--plot /dev/null: not a regular file"], None, None),
     "plot links to /dev/null (new)": (["--plot", "{tmp}/curve.png"], ["curve.png: not a regular file"],
                                       lambda tmp: (tmp / "curve.png").symlink_to("/dev/null"), None),
     "plot is a FIFO (new)": (["--plot", "{tmp}/curve.png"], ["curve.png: not a regular file"],
@@ -455,11 +470,11 @@ BAD_INPUT = {
                                    lambda tmp: fifo(tmp / "multi_gpu.pt"), None),
     "checkpoint dir read-only": (["--checkpoint-dir", "{tmp}/ro/ck"], ["--checkpoint-dir", "cannot write in"],
                                  lambda tmp: (tmp / "ro").mkdir(mode=0o555), None),
-    "data dir is a file": (["--data-dir", "{tmp}/file"], ["--data-dir", "not a folder this run can read"],
+    "data dir is a file": (["--data-dir", "{tmp}/file"], ["--data-dir", "not a folder; pass the folder"],
                            lambda tmp: (tmp / "file").write_text("x"), None),
     "data dir name too long (new)": (["--data-dir", f"{{tmp}}/{LONG}"], ["--data-dir", "File name too long"], None,
                                      None),
-    "data dir is a FIFO (new)": (["--data-dir", "{tmp}/data"], ["--data-dir", "not a folder this run can read"],
+    "data dir is a FIFO (new)": (["--data-dir", "{tmp}/data"], ["--data-dir", "not a folder; pass the folder"],
                                  lambda tmp: fifo(tmp / "data"), None),
     # launcher variables set by hand (MASTER_PORT 9: a rendezvous would be refused)
     "RANK, WORLD_SIZE, LOCAL_RANK alone (new)": ([], ["LOCAL_WORLD_SIZE, MASTER_PORT, MASTER_ADDR not set"], None,
@@ -524,8 +539,9 @@ def test_bad_input_is_one_line_exit_2_before_any_work(case, tmp_path, monkeypatc
     data = [] if "--data-dir" in arguments else flags(data_flags())
     before, children = tree(tmp_path), psutil.Process().children(recursive=True)
     monkeypatch.setattr(sys, "argv", ["multi_gpu.py", *flags(CPU, epochs=2), *data, *arguments])
-    for name in ("fashion_mnist_dir", "load_fashion_mnist", "launch"):
+    for name in ("fashion_mnist_dir", "load_fashion_mnist"):
         monkeypatch.setattr(common, name, lambda *_, name=name, **__: pytest.fail(f"{name} despite bad input"))
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *_, **__: pytest.fail("spawned despite bad input"))
     with pytest.raises(SystemExit) as exited:
         common.run_main(multi_gpu.main)
     stderr = capsys.readouterr().err
@@ -556,7 +572,7 @@ def test_bad_data_is_one_line_exit_2_before_any_process_starts(case, tmp_path, m
     for variable, value in OFFLINE.items():
         monkeypatch.setenv(variable, value)
     monkeypatch.setattr(sys, "argv", ["multi_gpu.py", *flags(CPU, epochs=2, data_dir=folder)])
-    monkeypatch.setattr(common, "launch", lambda *_, **__: pytest.fail("launched despite bad data"))
+    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *_, **__: pytest.fail("spawned despite bad data"))
     with pytest.raises(SystemExit) as exited:
         common.run_main(multi_gpu.main)
     stderr = capsys.readouterr().err
@@ -639,28 +655,6 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one
         assert_all_ended(workers, timeout=5)
     finally:
         kill_all(proc)
-
-
-def test_a_stopped_worker_ends_the_run_and_is_named(tmp_path):
-    """SIGSTOP on one worker: with --timeout 10 the launcher names it within timeout / 2 (plus a margin for a busy
-    machine), exit status 1, and kills every process, the stopped one included; the checkpoint of the last finished
-    epoch is kept."""
-    proc, workers = start_long_run(timeout=10, checkpoint_dir=tmp_path), []
-    try:
-        wait_for_line(proc, "epoch 1 |")
-        workers = spawned_workers(proc)
-        stopped_at = time.monotonic()
-        workers[1].send_signal(signal.SIGSTOP)
-        proc.wait(timeout=60)
-        assert time.monotonic() - stopped_at < 10 / 2 + 15
-        stderr = proc.stderr.read()
-        assert proc.returncode == 1, stderr
-        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
-        assert f"process 1 (pid {workers[1].pid}) has been stopped for" in stderr, stderr
-        assert_all_ended(workers, timeout=5)
-        assert common.load_checkpoint(tmp_path / "multi_gpu.pt", "multi_gpu", "--resume")["epoch"] >= 1
-    finally:
-        kill_all(proc, pids=[worker.pid for worker in workers])  # a stopped worker would outlive a failed test
 
 
 def test_a_killed_launcher_takes_every_worker_with_it():
@@ -793,4 +787,4 @@ def test_one_gpu_trains_on_the_full_training_set():
 def test_two_processes_are_not_put_on_one_gpu():
     """NCCL refuses two ranks on one GPU; under torchrun that is a one-line error before any rendezvous."""
     proc = multi_gpu_run(gpus=2, env=torchrun_environment(0, 2), timeout=60)
-    assert_usage_error(proc, "2 processes on this machine need a GPU each, and it shows 1")
+    assert_usage_error(proc, "--gpus 2: this machine shows 1 GPUs, and NCCL needs one per process")
