@@ -252,25 +252,23 @@ def worker(run_worker):
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         torch.set_num_threads(max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        status = 0
+        status, message = 0, None
         try:
             run_worker(rank, world_size, *args)
         except (UsageError, RunFailed) as error:
-            print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr)
-            status = error.status
+            status, message = error.status, f"{Path(sys.argv[0]).name}: error: {error}"
             with contextlib.suppress(Exception):  # an RPC group ends in order, so its peers log no lost connection
                 dist.rpc.shutdown()
         except KeyboardInterrupt:  # Ctrl-C reaches every process: the launcher says it once
             status = 130
-        except RuntimeError as error:  # gloo's, NCCL's and TensorPipe's errors when a peer is gone or silent
+        except RuntimeError as error:  # gloo's, NCCL's and TensorPipe's when a peer is gone or silent (LOST_PEER)
             if not (isinstance(error, dist.DistError) or any(sign in str(error) for sign in LOST_PEER)):
                 raise
             time.sleep(0 if torchrun_env() else 1)
-            print(f"process {rank} lost a peer ({str(error).strip().splitlines()[0].split('. ')[0][:200]}); the run "
-                  f"ends, or under torchrun restarts if --max-restarts allows", file=sys.stderr)
-            status = 1
+            status, message = 1, (f"process {rank} lost a peer ({str(error).strip().splitlines()[0][:200]}); the run "
+                                  f"ends, or under torchrun restarts if --max-restarts allows")
+        print(message or "", file=sys.stderr, end="\n" if message else "", flush=True)
         sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(status)
     return run
 

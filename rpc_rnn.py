@@ -590,8 +590,8 @@ def run_trainer(args, corpus, model, device, saved):
     print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=len(corpus.words),
                        devices={PS_NAME: "cuda:0" if args.cuda else "cpu", TRAINER_NAME: str(device)},
-                       batches=len(run.losses),
-                       losses=[round(x, 6) for x in run.losses[:200]], valid_loss=run.best_valid,
+                       batches=len(run.losses), losses=[round(x, 6) for x in run.losses[:200]],
+                       valid_loss=run.best_valid,
                        valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
                        test_ppl=math.exp(min(test_loss, 50)), lr=run.lr, tokens_per_s=run.tokens / run.seconds)
 
@@ -605,7 +605,7 @@ def compare_gradients(args, corpus, model, device, saved=None):
     opt, norms = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=args.lr), []
     batches = windows(batchify(corpus.train, args.batch_size, "cpu"), args.bptt, args.max_batches or 2)
     hidden, local_hidden = init_hidden(model.rnn, args.batch_size, device), init_hidden(local.rnn, args.batch_size)
-    worst = {"loss_diff": 0.0, "max_grad_diff": 0.0, "max_param_diff": 0.0}
+    worst = [0.0, 0.0, 0.0]  # the largest differences of loss, gradients and weights
     for input, targets in batches:
         with dist_autograd.context() as context_id:  # as train_batches, the gradients gathered before the step
             loss, hidden = model.loss(input.to(device), targets.to(device), detach_hidden(hidden))
@@ -619,12 +619,11 @@ def compare_gradients(args, corpus, model, device, saved=None):
         nn.utils.clip_grad_norm_(local.parameters(), args.clip)
         local_opt.step()
         weights = gathered(model, cpu_state_dict)  # which settles the step's writes too
-        worst["loss_diff"] = max(worst["loss_diff"], abs(loss.item() - local_loss.item()))
-        for name, param in local.named_parameters():
-            worst["max_grad_diff"] = max(worst["max_grad_diff"], (grads[name] - param.grad).abs().max().item())
-            worst["max_param_diff"] = max(worst["max_param_diff"], (weights[name] - param).abs().max().item())
+        worst = [max(worst[0], abs(loss.item() - local_loss.item())),
+                 max([worst[1]] + [(grads[name] - p.grad).abs().max().item() for name, p in local.named_parameters()]),
+                 max([worst[2]] + [(weights[name] - p).abs().max().item() for name, p in local.named_parameters()])]
     common.emit_result(SCRIPT, mode="check-gradients", batches=len(norms), grad_norms=norms, clip=args.clip,
-                       compared=len(grads), **worst)
+                       compared=len(grads), loss_diff=worst[0], max_grad_diff=worst[1], max_param_diff=worst[2])
 
 
 def generate_words(args):

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import emit_result, init_process_group, launch, parse_args, run_main  # noqa: E402
-from multi_gpu import ALLREDUCE  # noqa: E402
+from common import emit_result, init_process_group, parse_args, rendezvous, run_main, worker  # noqa: E402
+from multi_gpu import ALLREDUCES  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -33,20 +34,21 @@ class Args:
     """timed rounds per size (after one warm-up round)"""
 
 
-def run_worker(info, args):
-    init_process_group(info, "gloo", 120)
+@worker
+def run_worker(rank, world_size, store, args):
+    init_process_group(store, rank, world_size, "gloo", 120)
     rows = []
     for size in [int(float(s)) for s in args.sizes.split(",")]:
         buffer = torch.randn(size)
-        times = {name: [] for name in ALLREDUCE}
+        times = {name: [] for name in ALLREDUCES}
         calls = max(1, int(3e6 // size))  # back-to-back calls per timing: the barrier's skew is amortised
         for round_ in range(args.repeats + 1):
-            for name, allreduce in ALLREDUCE.items():
+            for name, allreduce in ALLREDUCES.items():
                 dist.barrier()
                 started = time.perf_counter()
                 for _ in range(calls):
-                    allreduce(buffer, info.rank, info.world_size)
-                    buffer.div_(info.world_size)  # keep the values bounded
+                    allreduce(buffer, rank, world_size)
+                    buffer.div_(world_size)  # keep the values bounded
                 elapsed = torch.tensor((time.perf_counter() - started) / calls)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a call ends when its slowest rank is done
                 if round_:
@@ -54,19 +56,20 @@ def run_worker(info, args):
         medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
         rows.append({"floats": size, **{f"{name}_ms": ms for name, ms in medians.items()},
                      **{f"{name}_vs_builtin": ms / medians["builtin"] for name, ms in medians.items()}})
-        if info.rank == 0:
+        if rank == 0:
             row = rows[-1]
             print(f"{size:>10,} floats | tutorial {medians['tutorial']:8.2f} ms ({row['tutorial_vs_builtin']:.2f}x)"
                   f" | ring {medians['ring']:8.2f} ms ({row['ring_vs_builtin']:.2f}x)"
                   f" | builtin {medians['builtin']:8.2f} ms", flush=True)
-    if info.rank == 0:
-        emit_result("bench_allreduce", procs=info.world_size, rows=rows)
+    if rank == 0:
+        emit_result("bench_allreduce", procs=world_size, rows=rows)
     dist.destroy_process_group()
 
 
 def main():
     args = parse_args(Args)
-    launch(run_worker, args.procs, args)
+    with rendezvous() as store:
+        mp.spawn(run_worker, args=(args.procs, store, args), nprocs=args.procs, join=True)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def run(args, procs, lr, seed, extra=()):
                "--limit-train", str(args.limit_train), "--epochs", str(args.epochs), *extra]
     command += ["--data-dir", args.data_dir] if args.data_dir else []
     cpus = sorted(os.sched_getaffinity(0))
-    # common.launch gives each of the k processes (usable CPUs // k) threads, at least one
+    # common.worker gives each of the k processes (usable CPUs // k) threads, at least one
     allowed = cpus[:max(1, procs * args.threads)] if args.threads else cpus
     started = time.monotonic()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=REPO,

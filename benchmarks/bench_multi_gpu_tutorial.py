@@ -27,7 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from common import (  # noqa: E402
     check,
-    cuda_device_count,
     emit_result,
     fashion_mnist_dir,
     load_fashion_mnist,
@@ -136,7 +135,7 @@ def multi_gpu_run(args, folder):
 
 def main():
     args = parse_args(Args)
-    check(not args.gpu or cuda_device_count() > 0, "no GPU found; pass --no-gpu to compare on the CPU")
+    check(not args.gpu or torch.cuda.device_count() > 0, "no GPU found; pass --no-gpu to compare on the CPU")
     folder = fashion_mnist_dir(args.data_dir)
     device = torch.device("cuda", 0) if args.gpu else torch.device("cpu")
     if args.gpu:

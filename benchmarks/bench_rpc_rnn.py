@@ -87,7 +87,7 @@ def main():
                         help="rounds of the three measurements, interleaved; the best of each is reported, the one "
                              "least disturbed by other work on the machine")
     args = parser.parse_args()
-    source = common.wikitext2_dir(args.data_dir)
+    source = rpc_rnn.wikitext2_dir(args.data_dir)
     with tempfile.TemporaryDirectory(prefix="bench-rpc-rnn-") as tmp:
         folder = Path(tmp)
         write_slice(source, folder, args.lines)

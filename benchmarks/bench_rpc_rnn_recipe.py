@@ -101,8 +101,8 @@ def distributed_result(proc):
 def main():
     args = common.parse_args(Args)
     common.check(args.epochs > 0, "--epochs must be positive")
-    common.check(not args.cuda or common.cuda_device_count() > 0, "--cuda: no GPU found; run without --cuda")
-    folder = common.wikitext2_dir(args.data_dir)
+    common.check(not args.cuda or torch.cuda.device_count() > 0, "--cuda: no GPU found; run without --cuda")
+    folder = rpc_rnn.wikitext2_dir(args.data_dir)
     corpus = rpc_rnn.Corpus(folder)
     device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     if args.at_once:

@@ -5,7 +5,7 @@
 
 Runs multi_gpu.py as a subprocess for each process count, alternating over rounds so that a change in the
 machine's load hits every count alike, and reads samples/s (median epoch) from its JSON line. The total
-thread count is the same for every run (common.launch splits the cores between processes).
+thread count is the same for every run (common.worker gives each process usable CPUs // processes threads).
 """
 
 import dataclasses
