@@ -186,7 +186,7 @@ def load_split(folder, holdout, train_size, seed):
     if holdout:
         order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(seed))
         val, train = order[:HOLDOUT_SIZE], order[HOLDOUT_SIZE:]
-        train_x, train_y, test_x, test_y = train_x[train], train_y[train], train_x[val], train_y[val]
+        return train_x[train][:train_size], train_y[train][:train_size], train_x[val], train_y[val]
     return train_x[:train_size], train_y[:train_size], test_x, test_y
 
 
@@ -284,6 +284,39 @@ MLP_INITIAL_CONFIG = {"learning_rate": 0.1, "batch_size": 256, "num_hiddens_1": 
                       "dropout_1": 0.5, "dropout_2": 0.5}  # D2L 5.6's
 
 
+class LocalSearcher(RandomSearcher):
+    """The tutorial's exercise 4 (--scheduler local): propose configurations near the best one seen so far (the
+    incumbent). Lives in the tuner process.
+
+    Each hyperparameter of the incumbent (a float or an integer) moves by a Gaussian step of standard deviation
+    `step` x its range (on the log scale when it is searched on one: learning rate, hidden sizes), clipped to the
+    range and rounded for integers; the steps are drawn from a generator seeded with random_seed. Until a trial has
+    reported, it proposes what random search does: points_to_evaluate, then random configurations. The incumbent is
+    the configuration with the lowest metric in any report (Syne Tune passes its hyperparameters and the metric to
+    minimise), so the search moves as soon as a trial reports a better epoch."""
+
+    def __init__(self, config_space, points_to_evaluate=None, random_seed=None, step=0.1):
+        super().__init__(config_space, points_to_evaluate=points_to_evaluate, random_seed=random_seed)
+        self.step, self.random_state = step, np.random.RandomState(self.random_seed)
+        self.incumbent, self.incumbent_metric = None, float("inf")
+
+    def on_trial_result(self, trial_id, config, metric):
+        if metric < self.incumbent_metric:
+            self.incumbent, self.incumbent_metric = dict(config), metric
+
+    def suggest(self):
+        if self.incumbent is None:
+            return super().suggest()  # random search's: points_to_evaluate, then random configurations
+        return {name: self.near(self.config_space[name], value) for name, value in self.incumbent.items()}
+
+    def near(self, domain, value):
+        """A random value of domain near value."""
+        scale, unscale = (np.log, np.exp) if is_log_space(domain) else (float, float)
+        spread = self.step * (scale(domain.upper) - scale(domain.lower))
+        moved = unscale(scale(value) + self.random_state.normal(0.0, spread))
+        return domain.cast(np.clip(moved, domain.lower, domain.upper))  # an int for an integer domain, rounded
+
+
 def make_scheduler(args, config_space):
     """The scheduler of --scheduler, each starting with the tutorial's configuration of the model."""
     np.random.seed(args.seed)  # random search, ASHA and the GP's first samples draw from numpy's global generator
@@ -326,44 +359,16 @@ class AtMost(SingleObjectiveBaseSearcher):
         self.searcher.on_trial_error(trial_id)
 
 
-class LocalSearcher(RandomSearcher):
-    """The tutorial's exercise 4 (--scheduler local): propose configurations near the best one seen so far (the
-    incumbent). Lives in the tuner process.
-
-    Each hyperparameter of the incumbent (a float or an integer) moves by a Gaussian step of standard deviation
-    `step` x its range (on the log scale when it is searched on one: learning rate, hidden sizes), clipped to the
-    range and rounded for integers; the steps are drawn from a generator seeded with random_seed. Until a trial has
-    reported, it proposes what random search does: points_to_evaluate, then random configurations. The incumbent is
-    the configuration with the lowest metric in any report (Syne Tune passes the metric to minimise), so the search
-    moves as soon as a trial reports a better epoch."""
-
-    def __init__(self, config_space, points_to_evaluate=None, random_seed=None, step=0.1):
-        super().__init__(config_space, points_to_evaluate=points_to_evaluate, random_seed=random_seed)
-        self.step, self.random_state = step, np.random.RandomState(self.random_seed)
-        self.incumbent, self.incumbent_metric = None, float("inf")
-
-    def on_trial_result(self, trial_id, config, metric):
-        if metric < self.incumbent_metric:
-            self.incumbent, self.incumbent_metric = dict(config), metric
-
-    def suggest(self):
-        if self.incumbent is None:
-            return super().suggest()  # random search's: points_to_evaluate, then random configurations
-        return {name: self.near(domain, self.incumbent[name]) for name, domain in self.config_space.items()
-                if isinstance(domain, Domain)}
-
-    def near(self, domain, value):
-        """A random value of domain near value."""
-        scale, unscale = (np.log, np.exp) if is_log_space(domain) else (float, float)
-        spread = self.step * (scale(domain.upper) - scale(domain.lower))
-        moved = unscale(scale(value) + self.random_state.normal(0.0, spread))
-        return domain.cast(np.clip(moved, domain.lower, domain.upper))  # an int for an integer domain, rounded
-
-
 # --- Beyond the tutorial: the trial process, and the local backend that watches its trials ---
 
 TRIAL_FLAG = f"--{ST_CONFIG_JSON_FNAME_ARG}"  # a backend starts each trial with this flag and its config file
 TRIAL_INFO = "[trial-info]: "  # starts a line of a trial's output: JSON of where it runs
+
+
+def trial_data_folder(data_folder):
+    """The tuner's data folder when this machine has it, else (a trial on another machine of a Ray cluster) this
+    machine's download cache, filled and verified there once."""
+    return data_folder if Path(data_folder).is_dir() else common.fashion_mnist_dir(None)
 
 
 def trial_main(argv):
@@ -382,12 +387,6 @@ def trial_main(argv):
     torch.manual_seed(config["seed"])
     model = dropout_mlp(*(config[name] for name in MLP_SPACE)) if config["model"] == "mlp" else None
     hpo_objective_lenet_synetune({**config, "data_folder": trial_data_folder(config["data_folder"])}, model, device)
-
-
-def trial_data_folder(data_folder):
-    """The tuner's data folder when this machine has it, else (a trial on another machine of a Ray cluster) this
-    machine's download cache, filled and verified there once."""
-    return data_folder if Path(data_folder).is_dir() else common.fashion_mnist_dir(None)
 
 
 def describe_exit(code):
@@ -449,8 +448,8 @@ class Search(TunerCallback):
     stopped, failed, or the search ended): one clock, the tuner's, whatever machine ran the trial. Lives in the tuner
     process."""
 
-    def __init__(self, out, hyperparameters, max_epochs):
-        self.out, self.hyperparameters, self.max_epochs = out, hyperparameters, max_epochs
+    def __init__(self, out, hyperparameters):
+        self.out, self.hyperparameters = out, hyperparameters
         self.rows, self.reports, self.best = {}, {}, float("inf")
 
     def on_tuning_start(self, tuner):
@@ -469,8 +468,8 @@ class Search(TunerCallback):
             info = dict(item for line in self.backend.stdout(trial_id) if line.startswith(TRIAL_INFO)
                         for item in json.loads(line[len(TRIAL_INFO):]).items())
             errors = [report[METRIC] for report in reports]
-            row.update(status=how, epochs=reports[-1][RESOURCE] if reports else 0, val_err=(errors or [None])[-1],
-                       best_err=min(errors, default=None), busy_s=round(time.time() - started, 3), **info)
+            row.update(epochs=reports[-1][RESOURCE] if reports else 0, val_err=errors[-1] if errors else None,
+                       best_err=min(errors, default=None), busy_s=round(time.time() - started, 3), status=how, **info)
             last = f"epoch {row['epochs']} | val err {row['val_err']:.4f}" if errors else "no report"
             detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}" if how == \
                 "failed" else f"{last} | best {self.best:.4f}"
@@ -480,7 +479,7 @@ class Search(TunerCallback):
         self.reports[trial.trial_id][1].append(result)
         self.best = min(self.best, result[METRIC])
         if decision == SchedulerDecision.STOP:  # ASHA's, or its last rung
-            self.end(trial.trial_id, "completed" if result[RESOURCE] >= self.max_epochs else "stopped early")
+            self.end(trial.trial_id, "completed" if result[RESOURCE] >= trial.config["max_epochs"] else "stopped early")
 
     def on_trial_complete(self, trial, result):
         self.end(trial.trial_id, "completed")
@@ -518,33 +517,30 @@ def messages_to(path):
     return contextlib.redirect_stdout(log)
 
 
-def stop_on_signals():
-    """SIGINT and SIGTERM end the search with one line and exit status 128 + the signal: a SystemExit, on which Syne
-    Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone). The same signal again (a second
-    Ctrl-C) is ignored, so that it cannot cut that clean-up short."""
-    def interrupt(signum, frame):
-        signal.signal(signum, signal.SIG_IGN)
-        print(f"{Path(sys.argv[0]).name}: {signal.Signals(signum).name}: every trial is stopped", file=sys.stderr)
-        sys.exit(128 + signum)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, interrupt)
+def stop_on_signals(signum, frame):
+    """The handler that run_search gives SIGINT and SIGTERM: the search ends with one line and exit status 128 + the
+    signal, a SystemExit, on which Syne Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone).
+    The same signal again (a second Ctrl-C) is ignored, so that it cannot cut that clean-up short."""
+    signal.signal(signum, signal.SIG_IGN)
+    print(f"{Path(sys.argv[0]).name}: {signal.Signals(signum).name}: every trial is stopped", file=sys.stderr)
+    sys.exit(128 + signum)
 
 
 def run_search(args, config_space, backend, entry_point=__file__, out=None):
     """tune() on backend (a subclass of LocalBackend) with the bookkeeping: the scheduler of --scheduler (and
     --max-trials), one line per trial event on out, Syne Tune's messages in tuner.log, results written atomically,
-    SIGTERM as SIGINT. Too many failed trials, and files that cannot be written, end it with one line (RunFailed);
-    trials that the Tuner could not stop then die with this process (die_with_parent; on Ray, with the job).
-    Returns the Search."""
+    SIGINT and SIGTERM handled by stop_on_signals. Too many failed trials, and files that cannot be written, end it
+    with one line (RunFailed); trials that the Tuner could not stop then die with this process (trial_main; on Ray,
+    with the job). Returns the Search."""
     results_dir = Path(args.results_dir).resolve()
     os.environ["SYNETUNE_FOLDER"] = str(results_dir)  # Syne Tune's way to say where experiments go
     name = name_from_base(f"async-hpo-{args.scheduler}{'-sync' if args.sync else ''}")
     scheduler = make_scheduler(args, config_space)
     if args.max_trials:
         scheduler.searcher = AtMost(scheduler.searcher, args.max_trials)
-    search = Search(out or sys.stdout, [key for key, value in config_space.items() if isinstance(value, Domain)],
-                    args.max_epochs)
-    stop_on_signals()
+    search = Search(out or sys.stdout, [key for key, value in config_space.items() if isinstance(value, Domain)])
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop_on_signals)
     try:
         with messages_to(results_dir / name / "tuner.log"):
             tune(args, scheduler, name, [search, KeptResults()], backend, entry_point)
@@ -612,10 +608,9 @@ def connect_to_ray(address, entry_point):
             raise common.UsageError(f"--ray-address {address}: nothing answers at {target} ({error}); {fix}") from None
     import ray
     # "[!.]*" and ".?*" exclude every file and folder in it, but not the folder itself, as "*" would
-    excludes = ["[!.]*", ".?*", f"!/{entry_point.name}", "!/common.py"]
-    code = {"working_dir": str(entry_point.parent), "excludes": excludes}
     try:
-        ray.init(address=address, runtime_env=code, logging_level=logging.ERROR, log_to_driver=False)
+        ray.init(address=address, runtime_env={"working_dir": str(entry_point.parent), "excludes": [
+            "[!.]*", ".?*", f"!/{entry_point.name}", "!/common.py"]}, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as error:  # no cluster, a token that differs
         raise common.UsageError(f"--ray-address {address}: {str(error).splitlines()[0]}; {fix}") from None
     return [(int(node["Resources"].get("CPU", 0)), int(node["Resources"].get("GPU", 0)))
@@ -638,14 +633,14 @@ def run_trial_on_node(entry_point, config_text):
     OMP_NUM_THREADS for it). Yields a TRIAL_INFO line with the node's Ray ID and IP address, then the trial's output
     (stdout and stderr in one stream) line by line, then its exit status. The trial reads its configuration from a
     pipe, so it leaves no file on the node; the configuration names this Ray worker as the trial's parent, so when
-    the tuner cancels the task, or goes away, Ray kills the worker and the trial dies with it (die_with_parent)."""
+    the tuner cancels the task, or goes away, Ray kills the worker and the trial dies with it (trial_main)."""
     import ray
-    config = {**json.loads(config_text), "parent_pid": os.getpid()}
     node = {"node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
     yield TRIAL_INFO + json.dumps(node) + "\n"
     with subprocess.Popen([sys.executable, entry_point, TRIAL_FLAG, "/dev/stdin"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trial:
-        trial.stdin.write(json.dumps(config))  # a few hundred bytes: the pipe holds them until the trial reads
+        # a few hundred bytes: the pipe holds them until the trial reads
+        trial.stdin.write(json.dumps({**json.loads(config_text), "parent_pid": os.getpid()}))
         trial.stdin.close()
         for line in trial.stdout:  # (not `yield from`: Ray drives the task with send())
             yield line
@@ -686,7 +681,7 @@ class RayTrials(LocalBackend):
                     try:
                         item = ray.get(next(self.streams[trial_id]))
                     except ray.exceptions.RayError as error:  # its node died, its worker was killed, or cancelled
-                        why = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+                        why = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
                         self.reasons[trial_id], item = f"ray: {why}", 1
                         (self.trial_path(trial_id) / "std.err").write_text(self.reasons[trial_id] + "\n")
                     if isinstance(item, int):

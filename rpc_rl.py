@@ -450,10 +450,9 @@ class BatchAgent(Agent):
         env = gym.wrappers.RecordEpisodeStatistics(gym.make(ENV_ID), buffer_length=self.args.eval_episodes)
         for episode in range(self.args.eval_episodes):
             state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
-            for _ in range(env.spec.max_episode_steps):
+            terminated = truncated = False
+            while not (terminated or truncated):  # CartPole-v1's time limit ends every episode
                 state, _, terminated, truncated, _ = env.step(int(numpy_probs(self.parameters, state[None]).argmax()))
-                if terminated or truncated:
-                    break
         if env.return_queue:
             print(f"greedy evaluation: mean reward {np.mean(env.return_queue):.1f} over {len(env.return_queue)} "
                   f"episodes", flush=True)
@@ -482,11 +481,9 @@ def run_worker(rank, world_size, store, args, agent_class, saved):
     torch.set_num_threads(1)
     if args.pin_cpus:
         pin_to_one_cpu(common.local_rank(rank), int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    common.init_rpc(store, AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank), rank, world_size, args.rpc_timeout)
     if rank == 0:
-        common.init_rpc(store, AGENT_NAME, rank, world_size, args.rpc_timeout)
         run_agent(agent_class(world_size, args, saved), args)
-    else:
-        common.init_rpc(store, OBSERVER_NAME.format(rank), rank, world_size, args.rpc_timeout)
     # block until all rpcs finish, and shutdown the RPC instance
     rpc.shutdown()
 
@@ -500,11 +497,9 @@ def main(argv=None):
     saved = read_checkpoint(args) if not torchrun or torchrun["RANK"] == 0 else None
     agent_class = Agent if args.tutorial else BatchAgent
     if torchrun:  # started by torchrun (RANK set): this process's part
-        run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, agent_class, saved)
-    else:
-        with common.rendezvous() as store:
-            mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved), nprocs=args.world_size,
-                     join=True)
+        return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, agent_class, saved)
+    with common.rendezvous() as store:
+        mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed import rpc
 from torch.distributed.optim import DistributedOptimizer
 
@@ -204,7 +203,7 @@ class Decoder(nn.Module):
 
     def loss(self, output, targets):
         """Beyond the tutorial: the mean cross-entropy of the logits, computed where they are made."""
-        return F.cross_entropy(self(output).flatten(0, 1), targets.flatten())
+        return nn.functional.cross_entropy(self(output).flatten(0, 1), targets.flatten())
 
 
 def make_lstm(ninp, nhid, nlayers, dropout, seed):
@@ -243,7 +242,7 @@ class RNNModel(nn.Module):
         of the logits (and the gradient of one number goes out in backward)."""
         if self.ship_logits:
             decoded, hidden = self(input, hidden)
-            return F.cross_entropy(decoded.flatten(0, 1), targets.flatten()), hidden
+            return nn.functional.cross_entropy(decoded.flatten(0, 1), targets.flatten()), hidden
         output, hidden = self.rnn(self.emb_table_rref.rpc_sync().forward(input), hidden)
         return self.decoder_rref.rpc_sync().loss(output, targets), hidden
 
@@ -288,8 +287,7 @@ def train_batches(model, opt, batches, hidden):
     for input, targets in batches:
         # create distributed autograd context
         with dist_autograd.context() as context_id:
-            hidden = detach_hidden(hidden)
-            loss, hidden = model.loss(input, targets, hidden)
+            loss, hidden = model.loss(input, targets, detach_hidden(hidden))
             # run distributed backward pass
             dist_autograd.backward(context_id, [loss])
             # run distributed optimizer; no zero_grad: the gradients live in this context, which ends here
@@ -343,8 +341,7 @@ def check_corpus(args, corpus, saved):
 
 def batchify(data, batch_size, device):
     """[tokens] -> [tokens // batch_size, batch_size]: column j is the j-th slice of the text, read top down."""
-    rows = data.size(0) // batch_size
-    return data[:rows * batch_size].view(batch_size, rows).t().contiguous().to(device)
+    return data[:data.size(0) // batch_size * batch_size].view(batch_size, -1).t().contiguous().to(device)
 
 
 def get_batch(source, i, bptt):
@@ -355,8 +352,7 @@ def get_batch(source, i, bptt):
 
 def windows(data, bptt, count=None):
     """The first `count` (all, if None) bptt windows of batchified data, as (input, targets)."""
-    starts = range(0, data.size(0) - 1, bptt)
-    return [get_batch(data, i, bptt) for i in starts[:count]]
+    return [get_batch(data, i, bptt) for i in range(0, data.size(0) - 1, bptt)[:count]]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,33 +373,29 @@ def run_on(piece, function, *args):
     settle(piece)
     result = function(piece, *args)
     settle(piece)
-    return None if result is piece else result  # nn.Module.train returns the module: RPC would send it whole
+    return result
 
 
 def on_pieces(model, function, *args):
     return {name: run_on(piece, function, *args) for name, piece in pieces(model).items()}
 
 
-def clip_grad_norm(model, context_id, max_norm):
-    """torch.nn.utils.clip_grad_norm_ over the gradients of one distributed autograd context, on both processes, to
-    the bit: each piece's owner returns the norm of each of its gradients; the trainer takes the norm of these norms
-    in the parameters' order (get_total_norm, as clip_grad_norm_ does); each owner scales its gradients in place by
-    torch's clip_grads_with_norm_. Returns the norm before clipping."""
-    total_norm = nn.utils.get_total_norm([norm for norms in on_pieces(model, grad_norms, context_id).values()
-                                          for norm in norms])
-    on_pieces(model, clip_grads, context_id, max_norm, total_norm)
-    return total_norm.item()
+def gathered(model, function, *args):
+    """function(piece, *args) -> {name: tensor}, run where each piece lives, merged under LocalRNNModel's names."""
+    return {f"{piece}.{name}": tensor for piece, tensors in on_pieces(model, function, *args).items()
+            for name, tensor in tensors.items()}
 
 
 def grad_norms(module, context_id):
-    """The norm of each of the module's gradients in the context, on the CPU."""
+    """The norm of each of the module's gradients in the context, on the CPU, by name."""
     grads = dist_autograd.get_gradients(context_id)
-    return [torch.linalg.vector_norm(grads[param]).cpu() for param in module.parameters()]
+    return {name: torch.linalg.vector_norm(grads[param]).cpu() for name, param in module.named_parameters()}
 
 
 def clip_grads(module, context_id, max_norm, total_norm):
-    """Scale the module's gradients in the context in place. get_gradients hands out the context's own tensors, the
-    ones DistributedOptimizer.step reads: scaling them is what makes the clipping reach the step."""
+    """Scale the module's gradients in the context in place, and leave each parameter's .grad pointing at its clipped
+    gradient. get_gradients hands out the context's own tensors, the ones DistributedOptimizer.step reads: scaling
+    them is what makes the clipping reach the step."""
     grads = dist_autograd.get_gradients(context_id)
     for param in module.parameters():
         param.grad = grads[param]
@@ -412,15 +404,21 @@ def clip_grads(module, context_id, max_norm, total_norm):
 
 class ClippedOptimizer(DistributedOptimizer):
     """torch's DistributedOptimizer (SGD on each owner of parameters, PlainSGD) that first clips the gradients of
-    the context on their global norm over both processes (clip_grad_norm, kept in `norms`), and after the step waits
-    until its writes are done on GPUs (see settle): the next window reads the weights it wrote."""
+    the context on their global norm over both processes, and after the step waits until its writes are done on GPUs
+    (see settle): the next window reads the weights it wrote."""
 
     def __init__(self, model, lr, max_norm):
         super().__init__(PlainSGD, model.parameter_rrefs(), lr=lr)
         self.model, self.max_norm, self.norms = model, max_norm, []
 
     def step(self, context_id):
-        self.norms.append(clip_grad_norm(self.model, context_id, self.max_norm))
+        """torch.nn.utils.clip_grad_norm_ over the gradients of the context, on both processes, to the bit: each
+        piece's owner returns the norm of each of its gradients; the trainer takes the norm of these norms in the
+        parameters' order (get_total_norm, as clip_grad_norm_ does) and keeps it in `norms`; each owner scales its
+        gradients in place by torch's clip_grads_with_norm_. Then the step."""
+        total_norm = nn.utils.get_total_norm(gathered(self.model, grad_norms, context_id).values())
+        on_pieces(self.model, clip_grads, context_id, self.max_norm, total_norm)
+        self.norms.append(total_norm.item())
         super().step(context_id)
         on_pieces(self.model, settle)
 
@@ -428,12 +426,6 @@ class ClippedOptimizer(DistributedOptimizer):
 def cpu_state_dict(module):
     """Copies of a module's weights on the CPU (a kept best state must not follow the live weights)."""
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
-
-
-def gathered(model, function, *args):
-    """function(piece, *args) -> {name: tensor}, run where each piece lives, merged under LocalRNNModel's names."""
-    return {f"{piece}.{name}": tensor for piece, tensors in on_pieces(model, function, *args).items()
-            for name, tensor in tensors.items()}
 
 
 def load_gathered(model, state):
@@ -466,62 +458,42 @@ class LocalRNNModel(nn.Module):
         return self.decoder.loss(output, targets), hidden
 
 
-def context_grads(module, context_id):
-    """The module's gradients in one distributed autograd context, on the CPU."""
-    grads = dist_autograd.get_gradients(context_id)
-    return {name: grads[param].cpu() for name, param in module.named_parameters()}
+def cpu_grads(module):
+    """The module's gradients, on the CPU: after a ClippedOptimizer step, the clipped ones it stepped with."""
+    return {name: param.grad.cpu() for name, param in module.named_parameters()}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Beyond the tutorial: word_language_model's recipe (epochs, validation, lr / 4, the best weights), checkpoints
 # ---------------------------------------------------------------------------------------------------------
 
-def new_run(args):
-    """Where a run stands, on the trainer, between two epochs. With the weights, it is all a checkpoint needs to
-    continue exactly: SGD keeps no state but lr, each epoch starts from a zero LSTM state, and seed_epoch seeds its
-    dropout masks. `epoch` is the next one, `best_state` the weights of the best valid loss, under LocalRNNModel's
-    names; `losses` has every batch's, and `tokens` were trained on in `seconds` of training."""
-    return SimpleNamespace(lr=args.lr, epoch=1, best_valid=math.inf, best_state=None, losses=[], tokens=0, seconds=0.0)
+def seed_epoch(seed, epoch):
+    """Seed the generator that draws this process's dropout masks from --seed, the epoch and the rank (the RPC worker
+    id): the trainer calls it on the ps by RPC, then on itself. A run resumed at an epoch's start draws the masks an
+    uninterrupted run draws, with no RNG state in the checkpoint. Epoch 1 uses --seed on the ps and --seed + 1 on the
+    trainer. On CUDA this reaches cuDNN's LSTM too: its dropout state, which torch does not expose, is drawn again
+    from the CUDA generator once that is seeded. Returns nothing: torch.manual_seed returns a generator, which RPC
+    cannot send."""
+    torch.manual_seed(seed + 2 * (epoch - 1) + rpc.get_worker_info().id)
 
 
-def seed_dropout(seed):
-    torch.manual_seed(seed)  # (called by RPC: torch.manual_seed itself returns a generator, which RPC cannot send)
-
-
-def seed_epoch(args, epoch):
-    """Seed the generators that draw the dropout masks, on both processes, from --seed, the epoch and the rank: a
-    run resumed at an epoch's start draws the masks an uninterrupted run draws, with no RNG state in the checkpoint.
-    Epoch 1 uses --seed on the ps and --seed + 1 on the trainer. On CUDA this reaches cuDNN's LSTM too: its dropout
-    state, which torch does not expose, is drawn again from the CUDA generator once that is seeded."""
-    rpc.rpc_sync(PS_NAME, seed_dropout, args=(args.seed + 2 * (epoch - 1),))
-    seed_dropout(args.seed + 2 * (epoch - 1) + 1)
-
-
+@torch.no_grad()
 def evaluate(model, data, bptt):
     """Mean loss per word over a whole split, dropout off. Grad mode does not travel with an RPC: under this no_grad
     the ps still records the autograd graph of its forward, and drops it when the call returns."""
     model.eval()
     total, hidden = 0.0, init_hidden(model.rnn, data.size(1), data.device)
-    with torch.no_grad():
-        for input, targets in windows(data, bptt):
-            loss, hidden = model.loss(input, targets, hidden)
-            total += input.size(0) * loss.item()
+    for input, targets in windows(data, bptt):
+        loss, hidden = model.loss(input, targets, hidden)
+        total += input.size(0) * loss.item()
     return total / (data.size(0) - 1)
 
 
-def restore_run(args, model, saved):
-    """Put the weights of both processes back, and the run where the checkpoint was taken."""
-    load_gathered(model, saved["model"])
-    print(f"resuming at epoch {saved['run']['epoch']} from {Path(args.checkpoint_dir, CHECKPOINT)}", flush=True)
-    return SimpleNamespace(**saved["run"])
-
-
-def save_model(path, flag, args, corpus, **state):
+def save_model(path, flag, args, words, **state):
     """A file that `LocalRNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])` loads, with ckpt =
     torch.load(path), written atomically by common.save_checkpoint: a failed write keeps the previous file."""
-    config = {"ntoken": len(corpus.words), "ninp": args.emsize, "nhid": args.nhid, "nlayers": args.nlayers,
-              "dropout": args.dropout}
-    common.save_checkpoint(path, SCRIPT, {"vocab": corpus.words, "config": config, **state}, flag)
+    config = dict(ntoken=len(words), ninp=args.emsize, nhid=args.nhid, nlayers=args.nlayers, dropout=args.dropout)
+    common.save_checkpoint(path, SCRIPT, {"vocab": words, "config": config, **state}, flag)
 
 
 def recipe(args):
@@ -537,10 +509,9 @@ def read_checkpoint(args, path):
     if not path.exists():
         return None
     saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=("model", "vocab", "config", "recipe", "run"))
-    differ = [f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
-              if recipe(args).get(name) != value]
-    check(not differ, f"--resume {path}: written with {', '.join(differ)}; pass the same flags or another "
-                      f"--checkpoint-dir")
+    differ = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
+                       if recipe(args).get(name) != value)
+    check(not differ, f"--resume {path}: written with {differ}; pass the same flags or another --checkpoint-dir")
     common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--resume", path)
     return saved
 
@@ -549,15 +520,23 @@ def run_trainer(args, corpus, model, device, saved):
     """word_language_model's recipe around the tutorial's loop (train_batches): epochs of bptt windows, a log line
     every --log-interval batches, validation after each epoch (lr / 4 when it did not improve, the best weights
     kept, --save), a checkpoint after each, then the test of the best weights and the JSON line."""
-    train_data = batchify(corpus.train, args.batch_size, device)
+    batches = windows(batchify(corpus.train, args.batch_size, device), args.bptt, args.max_batches)
     valid_data, test_data = (batchify(data, EVAL_BATCH_SIZE, device) for data in (corpus.valid, corpus.test))
-    run = restore_run(args, model, saved) if saved else new_run(args)
+    # Where the run stands between two epochs. With the weights, it is all a checkpoint needs to continue exactly:
+    # SGD keeps no state but lr, each epoch starts from a zero LSTM state, and seed_epoch seeds its dropout masks.
+    # `epoch` is the next one, `best_state` the weights of the best valid loss, under LocalRNNModel's names; `losses`
+    # has every batch's, and `tokens` were trained on in `seconds` of training.
+    run = SimpleNamespace(lr=args.lr, epoch=1, best_valid=math.inf, best_state=None, losses=[], tokens=0, seconds=0.0)
+    if saved:  # the weights of both processes back, and the run where the checkpoint was taken
+        load_gathered(model, saved["model"])
+        print(f"resuming at epoch {saved['run']['epoch']} from {Path(args.checkpoint_dir, CHECKPOINT)}", flush=True)
+        run = SimpleNamespace(**saved["run"])
     while run.epoch <= args.epochs:
         # SGD keeps no state but lr: a new optimizer with this epoch's lr continues exactly where the last one was
         opt = ClippedOptimizer(model, run.lr, args.clip)
         model.train()
-        seed_epoch(args, run.epoch)
-        batches = windows(train_data, args.bptt, args.max_batches)
+        rpc.rpc_sync(PS_NAME, seed_epoch, args=(args.seed, run.epoch))
+        seed_epoch(args.seed, run.epoch)
         epoch_start = since = time.perf_counter()
         losses = train_batches(model, opt, batches, init_hidden(model.rnn, args.batch_size, device))
         for batch, loss in enumerate(losses, 1):
@@ -577,12 +556,12 @@ def run_trainer(args, corpus, model, device, saved):
         if valid_loss < run.best_valid:
             run.best_valid, run.best_state = valid_loss, gathered(model, cpu_state_dict)
             if args.save:
-                save_model(args.save, "--save", args, corpus, model=run.best_state, valid_loss=valid_loss)
+                save_model(args.save, "--save", args, corpus.words, model=run.best_state, valid_loss=valid_loss)
         else:
             run.lr /= 4
         run.epoch += 1
         if args.checkpoint_dir:  # the whole run, from both processes: the weights and where the run stands
-            save_model(Path(args.checkpoint_dir, CHECKPOINT), "--checkpoint-dir", args, corpus,
+            save_model(Path(args.checkpoint_dir, CHECKPOINT), "--checkpoint-dir", args, corpus.words,
                        model=gathered(model, cpu_state_dict), recipe=recipe(args), run=vars(run))
     if run.best_state is not None:
         load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
@@ -591,41 +570,35 @@ def run_trainer(args, corpus, model, device, saved):
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=len(corpus.words),
                        devices={PS_NAME: "cuda:0" if args.cuda else "cpu", TRAINER_NAME: str(device)},
                        batches=len(run.losses), losses=[round(x, 6) for x in run.losses[:200]],
-                       valid_loss=run.best_valid,
-                       valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
+                       valid_loss=run.best_valid, valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
                        test_ppl=math.exp(min(test_loss, 50)), lr=run.lr, tokens_per_s=run.tokens / run.seconds)
 
 
 def compare_gradients(args, corpus, model, device, saved=None):
-    """--check-gradients: the same weights and batches in one process and over RPC (the tutorial's loop with the
-    recipe's clipping); reports the largest differences of loss, clipped gradients and updated weights. Needs
-    --dropout 0: the two runs draw their dropout masks differently."""
+    """--check-gradients: the same weights and batches in one process and through the tutorial's loop over RPC
+    (train_batches, with the recipe's ClippedOptimizer); reports the largest differences of loss, clipped gradients
+    and updated weights. Needs --dropout 0: the two runs draw their dropout masks differently."""
     local = LocalRNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed)
-    local_opt = PlainSGD(local.parameters(), lr=args.lr)
-    opt, norms = DistributedOptimizer(PlainSGD, model.parameter_rrefs(), lr=args.lr), []
-    batches = windows(batchify(corpus.train, args.batch_size, "cpu"), args.bptt, args.max_batches or 2)
+    local_opt, opt = PlainSGD(local.parameters(), lr=args.lr), ClippedOptimizer(model, args.lr, args.clip)
+    batches = windows(batchify(corpus.train, args.batch_size, device), args.bptt, args.max_batches or 2)
     hidden, local_hidden = init_hidden(model.rnn, args.batch_size, device), init_hidden(local.rnn, args.batch_size)
     worst = [0.0, 0.0, 0.0]  # the largest differences of loss, gradients and weights
-    for input, targets in batches:
-        with dist_autograd.context() as context_id:  # as train_batches, the gradients gathered before the step
-            loss, hidden = model.loss(input.to(device), targets.to(device), detach_hidden(hidden))
-            dist_autograd.backward(context_id, [loss])
-            norms.append(clip_grad_norm(model, context_id, args.clip))
-            grads = gathered(model, context_grads, context_id)
-            opt.step(context_id)
+    # Each window's distributed step (the generator runs one at a time), then the same window in one process
+    for (input, targets), loss in zip(batches, train_batches(model, opt, batches, hidden)):
+        grads, weights = gathered(model, cpu_grads), gathered(model, cpu_state_dict)
         local_opt.zero_grad()
-        local_loss, local_hidden = local.loss(input, targets, detach_hidden(local_hidden))
+        local_loss, local_hidden = local.loss(input.cpu(), targets.cpu(), detach_hidden(local_hidden))
         local_loss.backward()
         nn.utils.clip_grad_norm_(local.parameters(), args.clip)
         local_opt.step()
-        weights = gathered(model, cpu_state_dict)  # which settles the step's writes too
-        worst = [max(worst[0], abs(loss.item() - local_loss.item())),
+        worst = [max(worst[0], abs(loss - local_loss.item())),
                  max([worst[1]] + [(grads[name] - p.grad).abs().max().item() for name, p in local.named_parameters()]),
                  max([worst[2]] + [(weights[name] - p).abs().max().item() for name, p in local.named_parameters()])]
-    common.emit_result(SCRIPT, mode="check-gradients", batches=len(norms), grad_norms=norms, clip=args.clip,
+    common.emit_result(SCRIPT, mode="check-gradients", batches=len(opt.norms), grad_norms=opt.norms, clip=args.clip,
                        compared=len(grads), loss_diff=worst[0], max_grad_diff=worst[1], max_param_diff=worst[2])
 
 
+@torch.no_grad()
 def generate_words(args):
     """--generate: load a saved model into LocalRNNModel, checked to fit, and sample words from it one at a time,
     in this process (no RPC)."""
@@ -634,11 +607,10 @@ def generate_words(args):
     model = common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--load", args.load).eval()
     torch.manual_seed(args.seed)
     input, hidden = torch.randint(len(words), (1, 1)), init_hidden(model.rnn, 1)
-    with torch.no_grad():
-        for i in range(args.generate):
-            logits, hidden = model(input, hidden)
-            input.fill_(torch.multinomial(F.softmax(logits.view(-1) / args.temperature, dim=0), 1).item())
-            print(words[input.item()], end="\n" if i % 20 == 19 or i + 1 == args.generate else " ")
+    for i in range(args.generate):
+        logits, hidden = model(input, hidden)
+        input.fill_(torch.multinomial(torch.softmax(logits.view(-1) / args.temperature, dim=0), 1).item())
+        print(words[input.item()], end="\n" if i % 20 == 19 or i + 1 == args.generate else " ")
     common.emit_result(SCRIPT, mode="generate", words=args.generate, vocab=len(words))
 
 
@@ -681,8 +653,7 @@ def main(argv=None):
     corpus = Corpus(wikitext2_dir(args.data_dir))
     check_corpus(args, corpus, saved)
     trainer = compare_gradients if args.check_gradients else run_trainer
-    torchrun = common.torchrun_env()
-    if torchrun:  # started by torchrun (RANK set): this process's part
+    if torchrun := common.torchrun_env():  # started by torchrun (RANK set): this process's part
         run_worker(torchrun["RANK"], 2, "env://", args, corpus, saved, trainer)
     else:
         with common.rendezvous() as store:
