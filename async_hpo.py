@@ -155,6 +155,8 @@ def validate(args):
     # Syne Tune's local backend splits each trial's command line at spaces
     check(args.ray_address or " " not in sys.executable + str(Path(__file__).resolve()) + os.path.abspath(
         args.results_dir), "the paths of Python, of this script and of --results-dir must not contain spaces")
+    if args.ray_address:
+        common.check_used(args, trial_timeout="without --ray-address (Ray watches the trials it runs)")
 
 
 # --- The tutorial (D2L 19.3): the objective, the configuration space, the scheduler, the backend, the tuner ---
@@ -383,7 +385,8 @@ def trial_main(argv):
     device = torch.device("cuda", config.get("gpu", 0)) if config["device"] == "cuda" else torch.device("cpu")
     where = f"{device} {torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}" \
         if device.type == "cuda" else "cpu"
-    print(TRIAL_INFO + json.dumps({"device": where, "host": socket.gethostname(), "pid": os.getpid()}), flush=True)
+    print(TRIAL_INFO + json.dumps({"device": where, "host": socket.gethostname(), "pid": os.getpid(),
+                                   "threads": torch.get_num_threads()}), flush=True)
     torch.manual_seed(config["seed"])
     model = dropout_mlp(*(config[name] for name in MLP_SPACE)) if config["model"] == "mlp" else None
     hpo_objective_lenet_synetune({**config, "data_folder": trial_data_folder(config["data_folder"])}, model, device)
@@ -552,6 +555,8 @@ def run_search(args, config_space, backend, entry_point=__file__, out=None):
                                f"{search.backend.trial_path(failed[0])}); {len(failed)} failed, more than "
                                f"--max-failures {args.max_failures}: the search stopped") from None
     except OSError as error:  # most likely a full disk, a file-size limit or a folder that became read-only
+        if common.one_line(error):  # the console's reader gone, or a full output device
+            raise
         raise common.RunFailed(f"{error.filename or results_dir / name}: {error.strerror}; what was written before "
                                f"is intact; if a disk is full, free space on that disk, lift the file-size limit or "
                                f"pass another --results-dir") from None

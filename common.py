@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import errno
 import functools
 import gzip
 import hashlib
@@ -22,6 +23,8 @@ import io
 import json
 import logging
 import os
+import re
+import resource
 import signal
 import socket
 import stat
@@ -35,6 +38,7 @@ import zipfile
 from pathlib import Path
 from typing import Annotated
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -211,22 +215,70 @@ def check_processes(flag, count, oversubscribe):
                                            f"machine; pass a smaller number, or --oversubscribe to start them anyway")
 
 
-def run_main(main):
-    """Call main() and end as README's failure table says: a UsageError or RunFailed is one line on stderr and its
-    exit status; a spawned process that raised is named with its traceback (mp.spawn's message), one killed by a
-    signal in one line; one that exited with a status has said why itself; Ctrl-C is exit status 130."""
+def check_used(args, **unused):
+    """A flag given a value other than its default that this run would not use is one line and exit 2, not a value
+    dropped without a word: unused={flag name: when it is used ("with --generate"), where this run does not use it}."""
+    defaults = {field.name: field.default for field in dataclasses.fields(args)}
+    for name, when in unused.items():
+        check(getattr(args, name) == defaults[name], f"--{name.replace('_', '-')} {getattr(args, name)}: used only "
+                                                     f"{when}; drop it")
+
+
+def check_memory(what, need, sizes):
+    """What the run must hold at once (`need` bytes) against the memory this machine has free now: one line and exit 2
+    naming `sizes`, the flags that set it, where an allocation would fail deep in the run or the kernel kill it."""
+    free = psutil.virtual_memory().available
+    check(need <= free, f"{what} need about {need / 2**30:.1f} GiB, and this machine has {free / 2**30:.1f} GiB free; "
+                        f"pass a smaller {sizes}")
+
+
+def one_line(error, sizes=None):
+    """(the line, or "" for none, exit status) that ends a run on `error` as README's failure table says, or None for
+    a bug, whose traceback shows. A UsageError or RunFailed says what to do; the output's reader gone (`| head`) ends
+    the run quietly, status 141 as a SIGPIPE would; an output device that takes nothing more (full) says so; with
+    `sizes` (the flags that set how much memory the run takes), an allocation that failed, here or in a spawned
+    process (mp.spawn's message), says what did not fit and to pass smaller sizes."""
     prog = Path(sys.argv[0]).name
+    text = error.msg if isinstance(error, mp.ProcessRaisedException) else f"{type(error).__name__}: {error}"
+    allocation = re.search(r"(?:[Tt]ried to allocate|Unable to allocate) ([\d.]+) ?(\w+)", text)
+    if isinstance(error, (UsageError, RunFailed)):
+        return f"{prog}: error: {error}", error.status
+    if isinstance(error, BrokenPipeError):
+        return "", 141
+    if isinstance(error, OSError) and error.filename is None and error.errno in (errno.ENOSPC, errno.EIO):
+        return f"{prog}: error: cannot write the output ({error.strerror}); send it elsewhere", 1
+    if sizes and (allocation or "MemoryError" in text):
+        what = " ".join(allocation.groups()) if allocation else "an allocation"
+        if allocation and allocation[2] == "bytes":
+            what = f"{float(allocation[1]) / 2**30:.1f} GiB"
+        return f"{prog}: error: out of memory: {what} did not fit; pass a smaller {sizes}", 1
+    return (error.msg.strip(), 1) if isinstance(error, mp.ProcessRaisedException) else None
+
+
+def run_main(main, sizes="size"):
+    """Call main() and end as README's failure table says (one_line, with `sizes` naming the flags that set how much
+    memory the run takes): a spawned process that raised is named with its traceback (mp.spawn's message), one killed
+    by a signal in one line; one that exited with a status has said why itself; Ctrl-C is exit status 130."""
+    prog = Path(sys.argv[0]).name
+    sys.stdout.reconfigure(errors="backslashreplace")  # characters the output's encoding lacks (PYTHONIOENCODING)
     try:
         return main()
-    except (UsageError, RunFailed) as error:
-        message, status = f"{prog}: error: {error}", error.status
-    except mp.ProcessRaisedException as error:
-        message, status = error.msg.strip(), 1
     except mp.ProcessExitedException as error:
         message = f"{prog}: error: {error.msg}; the other processes were stopped" if error.signal_name else ""
         status = 1 if error.signal_name else error.exit_code
+        status = 130 if error.signal_name == "SIGINT" else status
     except KeyboardInterrupt:
-        message, status = f"{prog}: interrupted; every process was stopped", 130
+        message, status = "", 130
+    except Exception as error:
+        if one_line(error, sizes) is None:
+            raise
+        message, status = one_line(error, sizes)
+    if status == 130:
+        message = f"{prog}: interrupted; every process was stopped"
+    try:
+        sys.stdout.flush()
+    except OSError:  # the output is what failed: Python would flush it again at exit, and complain
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     print(message, file=sys.stderr, end="\n" if message else "", flush=True)
     sys.exit(status)
 
@@ -240,35 +292,45 @@ def worker(run_worker):
     calls once under torchrun). mp.spawn ends the run when a process raises or dies, terminates the others and hands
     the traceback to the parent (run_main prints it). This gives each process its share of the cores (torch's
     threads) and adds what mp.spawn does not do:
-    - a UsageError or RunFailed is its one line and exit status, not a traceback;
+    - an error with a line of its own (one_line: bad input, a full disk or output device) ends it with that line
+      and status, the output's reader gone ends it quietly; an RPC group is shut down in order first, so that its
+      peers log no lost connection;
     - a process whose peer is gone or silent past the timeout says so in one line, exit status 1. Spawned, it
       waits a second first: when the peer died, the launcher names it and stops this process meanwhile;
+    - Ctrl-C, ignored until here (see rendezvous), ends it at once and quietly, even in a C++ call: the launcher
+      says it once;
     - the process dies at once with its parent (mp.spawn asks for SIGINT, which a process blocked in a C++
       collective does not act on until the collective times out);
     - a process that is done leaves without the interpreter's teardown, which destroys torch's C++ objects (a gloo
       group DDP still holds, RPC agents, CUDA contexts) in no set order and can abort a run that succeeded."""
     @functools.wraps(run_worker)
     def run(rank, world_size, *args):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it at once, in C++ too, without a traceback,
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # also one pressed while it started
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         torch.set_num_threads(max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        status, message = 0, None
+        message, status = "", 0
         try:
+            if torchrun_env():  # spawned, the launcher checked it for every process
+                check_machine(world_size)
             run_worker(rank, world_size, *args)
-        except (UsageError, RunFailed) as error:
-            status, message = error.status, f"{Path(sys.argv[0]).name}: error: {error}"
-            with contextlib.suppress(Exception):  # an RPC group ends in order, so its peers log no lost connection
-                dist.rpc.shutdown()
-        except KeyboardInterrupt:  # Ctrl-C reaches every process: the launcher says it once
-            status = 130
-        except RuntimeError as error:  # gloo's, NCCL's and TensorPipe's when a peer is gone or silent (LOST_PEER)
-            if not (isinstance(error, dist.DistError) or any(sign in str(error) for sign in LOST_PEER)):
+        except Exception as error:
+            lost = isinstance(error, dist.DistError) or any(sign in str(error) for sign in LOST_PEER)
+            if isinstance(error, RuntimeError) and lost:
+                time.sleep(0 if torchrun_env() else 1)
+                message, status = (f"process {rank} lost a peer ({str(error).strip().splitlines()[0][:200]}); the "
+                                   f"run ends, or under torchrun restarts if --max-restarts allows"), 1
+            elif one_line(error) is None:
                 raise
-            time.sleep(0 if torchrun_env() else 1)
-            status, message = 1, (f"process {rank} lost a peer ({str(error).strip().splitlines()[0][:200]}); the run "
-                                  f"ends, or under torchrun restarts if --max-restarts allows")
-        print(message or "", file=sys.stderr, end="\n" if message else "", flush=True)
-        sys.stdout.flush()
+            else:
+                message, status = one_line(error)
+            if isinstance(error, (UsageError, RunFailed)):  # an RPC group ends in order: its peers log no lost link
+                with contextlib.suppress(Exception):
+                    dist.rpc.shutdown()
+        with contextlib.suppress(OSError):  # the output may be what failed
+            print(message + "\n" if message else "", file=sys.stderr, end="", flush=True)  # one write: other
+            sys.stdout.flush()  # processes may be writing too, unbuffered (PYTHONUNBUFFERED)
         os._exit(status)
     return run
 
@@ -276,22 +338,46 @@ def worker(run_worker):
 LOST_PEER = ("peer", "tensorpipe", "imed out", "RPC ran for more than")  # in the messages of a lost or silent peer
 
 
+def check_machine(world_size):
+    """What the processes of a run need from this machine, checked before any starts: open files enough for
+    TensorPipe's and gloo's connections (the soft limit raised to what they need, within the hard limit: TensorPipe
+    aborts the process when it runs out, at about 100 + 64 per process), and the network interfaces that
+    GLOO_SOCKET_IFNAME and TP_SOCKET_IFNAME name, where these are set."""
+    need = 128 + 80 * world_size
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    check(hard == resource.RLIM_INFINITY or hard >= need, f"the open-file limit is {hard}, and {world_size} processes "
+          f"need about {need}; raise it (ulimit -n {need}) or start fewer processes")
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    interfaces = sorted(name for _, name in socket.if_nameindex())
+    for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        wrong = [name for name in os.environ.get(variable, "").split(",") if name and name not in interfaces]
+        check(not wrong, f"{variable}={os.environ.get(variable)}: this machine has no network interface "
+                         f"{', '.join(wrong)} (it has {', '.join(interfaces)}); unset it or name one of them")
+
+
 @contextlib.contextmanager
-def rendezvous():
-    """Around mp.spawn on one machine: a private folder, removed afterwards, whose files the processes meet
-    through (init_process_group and init_rpc each take one), so two runs at once never collide; every socket they
-    open on loopback (the backends' interface variables, unless set); and torch's C++ warnings off, unless set."""
+def rendezvous(world_size):
+    """Around mp.spawn on one machine, after check_machine: a private folder, removed afterwards, whose files the
+    processes meet through (init_process_group and init_rpc each take one), so two runs at once never collide; every
+    socket they open on loopback (the backends' interface variables, unless set); torch's C++ warnings off, unless
+    set; and Ctrl-C held back (blocked) here, which the processes inherit until their worker lets it through: a
+    process interrupted while it starts (reading what mp.spawn sends it, importing torch) would print a traceback.
+    The processes die of it at once; the launcher acts on it when mp.spawn has stopped them all."""
+    check_machine(world_size)
     loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
     for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.setdefault(variable, loopback)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not the peers' C++ warnings when a process dies
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     with tempfile.TemporaryDirectory(prefix="rendezvous-") as folder:
         try:
             yield f"file://{folder}/store"
-        finally:  # after Ctrl-C, which interrupts mp.spawn before it stops them (else the exit would wait for them)
+        finally:  # a process that mp.spawn started before it failed to start the next
             for process in mp.active_children():
                 process.kill()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a Ctrl-C pressed meanwhile acts now
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")

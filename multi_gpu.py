@@ -417,8 +417,10 @@ def validate(args):
                                                f"processes, and every process needs a shard; pass a larger one")
     common.check((args.limit_train or 0) <= common.FASHION_MNIST_TRAIN, f"--limit-train {args.limit_train}: more "
                  f"than the {common.FASHION_MNIST_TRAIN} training images; pass fewer, or leave it out to train on all")
-    common.check(not args.warmup_epochs or args.lr_scaling != "none",
-                 "--warmup-epochs ramps --lr up to the scaled rate: pass --lr-scaling linear or sqrt too")
+    if args.lr_scaling == "none":
+        common.check_used(args, lr_base_batch="with --lr-scaling", warmup_epochs="with --lr-scaling linear or sqrt")
+    if torchrun or args.gpus:
+        common.check_used(args, procs="for CPU processes that this script starts (--gpus 0, not under torchrun)")
     common.check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR, where the checkpoint is")
     common.check(not args.plot or Path(args.plot).suffix.lower() in (".png", ".pdf", ".svg"),
                  f"--plot {args.plot}: name a .png, .pdf or .svg file")
@@ -427,9 +429,11 @@ def validate(args):
 
 
 @common.worker
-def run_worker(rank, world_size, store, args, data, saved):
+def run_worker(rank, world_size, store, args, data_folder, saved):
     """One process: its device, the process group, the data on the device, the start (rank 0's, broadcast), then
-    train; rank 0 alone checkpoints after each epoch, then prints the JSON line and plots."""
+    train; rank 0 alone checkpoints after each epoch, then prints the JSON line and plots. Each process reads the
+    data itself, already checked by main: sent with mp.spawn, they would travel through /dev/shm, which a container
+    may keep too small for them."""
     device = common.pick_device(args.gpus > 0, common.local_rank(rank))
     if device.type == "cuda":
         common.set_tf32(args.tf32)
@@ -437,7 +441,7 @@ def run_worker(rank, world_size, store, args, data, saved):
                               device if args.gpus else None)
     # The whole data set on the device, the images as floats [N, 1, 28, 28] in [0, 1] (what the tutorial's ToTensor
     # gives): a step needs no loader and no host copy, only an index.
-    train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in data)
+    train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in common.load_fashion_mnist(data_folder))
     data = (train_x[:args.limit_train].unsqueeze(1).float() / 255, train_y[:args.limit_train],
             test_x.unsqueeze(1).float() / 255, test_y)
     # Rank 0's start wins on every rank: the checkpoint it read in main (so only rank 0 needs the file, also across
@@ -473,15 +477,14 @@ def run_worker(rank, world_size, store, args, data, saved):
 def main(argv=None):
     args = common.parse_args(Args, argv)
     saved = validate(args)
-    data = common.load_fashion_mnist(common.fashion_mnist_dir(args.data_dir))  # downloaded once, verified
-    torchrun = common.torchrun_env()
-    if torchrun:  # started by torchrun (RANK set): this process's part
-        run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, data, saved)
-    else:
-        world_size = args.gpus or args.procs
-        with common.rendezvous() as store:
-            mp.spawn(run_worker, args=(world_size, store, args, data, saved), nprocs=world_size, join=True)
+    data_folder = common.fashion_mnist_dir(args.data_dir)  # downloaded once
+    common.load_fashion_mnist(data_folder)  # every file verified, before any process starts
+    if torchrun := common.torchrun_env():  # started by torchrun (RANK set): this process's part
+        return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, data_folder, saved)
+    world_size = args.gpus or args.procs
+    with common.rendezvous(world_size) as store:
+        mp.spawn(run_worker, args=(world_size, store, args, data_folder, saved), nprocs=world_size, join=True)
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    common.run_main(main, sizes="--batch-size or --batch-per-device")

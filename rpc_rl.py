@@ -116,6 +116,13 @@ def validate(args):
     check(not args.tutorial or beyond == (1, "terminal", 0, None, None), "--tutorial runs the tutorial's code alone: "
           "leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save and --checkpoint-dir")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
+    if not args.checkpoint_dir:
+        common.check_used(args, checkpoint_interval="with --checkpoint-dir")
+    if common.torchrun_env():
+        common.check_used(args, world_size="without torchrun (its WORLD_SIZE is the world size)")
+    envs = (processes - 1) * args.envs_per_observer  # the agent keeps every step of an episode (about 2 kB each)
+    common.check_memory(f"the episodes of {envs} environments", envs * gym.spec(ENV_ID).max_episode_steps * 2048,
+                        "--envs-per-observer or --world-size")
 
 
 class Policy(nn.Module):
@@ -326,8 +333,12 @@ def recipe(args):
 def read_checkpoint(args):
     """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one, else the policy
     of --load, else None (a new policy). Read once, before any process starts, and checked to fit the policy."""
-    if args.resume and checkpoint_path(args).exists():
-        path = common.output_file("--checkpoint-dir", str(checkpoint_path(args)))  # a file, not a folder or a device
+    path = checkpoint_path(args) if args.checkpoint_dir else None
+    if path and path.parent.is_dir():  # a file the run may replace, or nothing yet: not a folder, a device, a dead link
+        common.output_file("--checkpoint-dir", str(path))
+    if args.resume and path.exists():
+        check(not args.load, f"--load {args.load}: --resume continues the checkpoint in {args.checkpoint_dir} instead; "
+                             f"drop --load, or pass another --checkpoint-dir")
         saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
         check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
               f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
@@ -498,9 +509,9 @@ def main(argv=None):
     agent_class = Agent if args.tutorial else BatchAgent
     if torchrun:  # started by torchrun (RANK set): this process's part
         return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, agent_class, saved)
-    with common.rendezvous() as store:
+    with common.rendezvous(args.world_size) as store:
         mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    common.run_main(main, sizes="--envs-per-observer or --world-size")

@@ -30,10 +30,10 @@ The trainer prints (the ps says nothing unless it fails); the last lines of a ru
     {"script": "rpc_rnn", "mode": "loss-on-ps", "ntoken": 33278, ..., "batches": 200, "losses": [...], ...}
 """
 
+import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -53,9 +53,10 @@ TRAINER_NAME = "trainer"
 SCRIPT = "rpc_rnn"
 EVAL_BATCH_SIZE = 10  # word_language_model's, for the valid and test sets
 CHECKPOINT = "rpc_rnn.pt"  # the file in --checkpoint-dir
+SIZES = "--emsize, --nhid, --bptt or --batch-size"  # the flags that set how much memory a run takes
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     # Model (word_language_model's recipe)
     emsize: Positive = 200
@@ -133,6 +134,14 @@ def validate(args):
     if args.save and args.checkpoint_dir:
         check(Path(args.save).resolve() != Path(args.checkpoint_dir, CHECKPOINT).resolve(),
               f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
+    if args.generate:  # one process samples from --load, with its model and its words: the rest is for training
+        common.check_used(args, **{field.name: "to train, not with --generate" for field in dataclasses.fields(args)
+                                   if field.name not in ("generate", "load", "temperature", "seed")})
+    else:
+        common.check_used(args, temperature="with --generate")
+    if args.check_gradients:
+        common.check_used(args, **{name: "to train, not with --check-gradients" for name in
+                                   ("epochs", "log_interval", "save", "checkpoint_dir", "resume")})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -330,13 +339,19 @@ def wikitext2_dir(data_dir=None, mirrors=WIKITEXT2_MIRRORS):
 
 def check_corpus(args, corpus, saved):
     """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
-    have been written for this text."""
+    have been written for this text; this machine must hold the model and a window's logits (each weight four
+    times: itself, its gradient, the best and the checkpointed copy; each logit three: itself, its softmax and its
+    gradient)."""
     for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):
         tokens = getattr(corpus, split).numel()
         check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {size} streams of 2 words or more; "
                                    f"pass more text" + (" or a smaller --batch-size" if split == "train" else ""))
     check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
           f"(its vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
+    ntoken, window = len(corpus.words), min(args.bptt, corpus.train.numel() // args.batch_size)
+    weights = ntoken * (args.emsize + args.nhid + 1) + 4 * args.nhid * (args.emsize + args.nhid + 2) * args.nlayers
+    common.check_memory("the model and a window's logits", 4 * (4 * weights + 3 * window * args.batch_size * ntoken),
+                        SIZES)
 
 
 def batchify(data, batch_size, device):
@@ -502,10 +517,13 @@ def recipe(args):
                                                    "clip", "seed", "max_batches")}
 
 
-def read_checkpoint(args, path):
-    """The checkpoint that --resume continues, or None when there is none yet (the run starts from the beginning).
-    Read once, before the data and any process: verified (common.load_checkpoint; a checkpoint of another version
-    lacks a key), and checked against these flags and the model they build (its vocabulary, once the text is read)."""
+def read_checkpoint(args):
+    """The checkpoint that --resume continues, or None when there is none yet (the run starts from the beginning):
+    verified (common.load_checkpoint; a checkpoint of another version lacks a key), and checked against these flags
+    and the model they build (its vocabulary, once the text is read: check_corpus)."""
+    path = Path(args.checkpoint_dir, CHECKPOINT)
+    if path.parent.is_dir():  # a file the run may replace, or nothing yet: not a folder, a device, a dead link
+        common.output_file("--checkpoint-dir", str(path))
     if not path.exists():
         return None
     saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=("model", "vocab", "config", "recipe", "run"))
@@ -618,8 +636,18 @@ def generate_words(args):
 # The processes: the ps and the trainer, started by mp.spawn or torchrun
 # ---------------------------------------------------------------------------------------------------------
 
+def load_run(args):
+    """The text and the checkpoint to continue (or None), read and checked: by main before any process starts, then
+    by the trainer, which mp.spawn sends only their paths (sent whole, they would travel through /dev/shm, which a
+    container may keep too small, and make the start long enough for Ctrl-C to cut it short)."""
+    saved = read_checkpoint(args) if args.resume else None
+    corpus = Corpus(wikitext2_dir(args.data_dir))
+    check_corpus(args, corpus, saved)
+    return corpus, saved
+
+
 @common.worker
-def run_worker(rank, world_size, store, args, corpus, saved, trainer):
+def run_worker(rank, world_size, store, args, trainer):
     """Rank 0 becomes the ps and answers RPCs until the trainer is done; rank 1 becomes the trainer and runs
     `trainer` (run_trainer, or compare_gradients for --check-gradients) on the tutorial's RNNModel."""
     # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
@@ -638,6 +666,7 @@ def run_worker(rank, world_size, store, args, corpus, saved, trainer):
                     device_maps={PS_NAME: {device: ps_device}} if args.cuda and rank else None,
                     devices=[device] if args.cuda else None)
     if rank == 1:
+        corpus, saved = load_run(args)
         model = RNNModel(PS_NAME, len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed,
                          device, ps_device, args.ship_logits)
         trainer(args, corpus, model, device, saved)
@@ -649,16 +678,13 @@ def main(argv=None):
     validate(args)
     if args.generate:  # sampling from a saved model: one process, no RPC
         return generate_words(args)
-    saved = read_checkpoint(args, Path(args.checkpoint_dir, CHECKPOINT)) if args.resume else None
-    corpus = Corpus(wikitext2_dir(args.data_dir))
-    check_corpus(args, corpus, saved)
+    load_run(args)  # every rule checked before any process starts; the data downloaded if need be
     trainer = compare_gradients if args.check_gradients else run_trainer
     if torchrun := common.torchrun_env():  # started by torchrun (RANK set): this process's part
-        run_worker(torchrun["RANK"], 2, "env://", args, corpus, saved, trainer)
-    else:
-        with common.rendezvous() as store:
-            mp.spawn(run_worker, args=(2, store, args, corpus, saved, trainer), nprocs=2, join=True)
+        return run_worker(torchrun["RANK"], 2, "env://", args, trainer)
+    with common.rendezvous(2) as store:
+        mp.spawn(run_worker, args=(2, store, args, trainer), nprocs=2, join=True)
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    common.run_main(main, sizes=SIZES)

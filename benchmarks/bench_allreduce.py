@@ -68,7 +68,7 @@ def run_worker(rank, world_size, store, args):
 
 def main():
     args = parse_args(Args)
-    with rendezvous() as store:
+    with rendezvous(args.procs) as store:
         mp.spawn(run_worker, args=(args.procs, store, args), nprocs=args.procs, join=True)
 
 

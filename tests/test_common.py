@@ -356,7 +356,7 @@ RAISING_WORKER = textwrap.dedent("""
         dist.barrier()  # process 0 waits for process 1, which never comes
 
     if __name__ == "__main__":
-        with common.rendezvous() as store:
+        with common.rendezvous(2) as store:
             common.run_main(lambda: mp.spawn(run_worker, args=(2, store), nprocs=2, join=True))
 """)
 
@@ -383,13 +383,15 @@ SLEEPING_WORKERS = textwrap.dedent("""
     def run_worker(rank, world_size, store):
         dist.init_process_group("gloo", init_method=store + ".pg", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=3))
-        print("started", rank, flush=True)
+        dist.barrier()
+        if rank == 0:
+            print("started", flush=True)  # (alone: unbuffered, two processes' prints would interleave)
         for _ in range(10000):
             dist.barrier()
             time.sleep(0.01)
 
     if __name__ == "__main__":
-        with common.rendezvous() as store:
+        with common.rendezvous(2) as store:
             common.run_main(lambda: mp.spawn(run_worker, args=(2, store), nprocs=2, join=True))
 """)
 
@@ -402,8 +404,7 @@ def sleeping_run(tmp_path):
     proc = start_script(script)
     workers = []
     try:
-        for _ in range(2):
-            wait_for_line(proc, "started", timeout=60)
+        wait_for_line(proc, "started", timeout=60)
         workers = spawned_workers(proc)
         yield proc, workers
     finally:

@@ -153,7 +153,7 @@ ALLREDUCE_CHECK = textwrap.dedent("""
         dist.destroy_process_group()
 
     if __name__ == "__main__":
-        with common.rendezvous() as store:
+        with common.rendezvous(int(sys.argv[1])) as store:
             common.run_main(lambda: mp.spawn(worker, args=(int(sys.argv[1]), store, sys.argv[2]),
                                              nprocs=int(sys.argv[1])))
 """)
@@ -435,7 +435,7 @@ BAD_INPUT = {
     # flags that do not go together
     "batch per device and batch size": (["--batch-per-device", 64, "--batch-size", 128],
                                         ["pass --batch-size or --batch-per-device, not both"], None, None),
-    "warmup without scaling": (["--warmup-epochs", 2], ["pass --lr-scaling linear or sqrt"], None, None),
+    "warmup without scaling": (["--warmup-epochs", 2], ["--warmup-epochs 2.0: used only with --lr-scaling"], None, None),
     "lr scaling unknown": (["--lr-scaling", "cubic"], ["invalid choice: 'cubic'"], None, None),
     "allreduce unknown": (["--allreduce", "tree"], ["invalid choice: 'tree'"], None, None),
     "resume without folder": (["--resume"], ["--resume needs --checkpoint-dir"], None, None),

@@ -580,13 +580,13 @@ def test_the_command_line_refuses_bad_input_in_one_line_before_starting_anything
 
 def test_a_resumable_checkpoint_passes_the_checks_and_is_read_once(bad_files, monkeypatch):
     """The other side of the table: the checkpoints made for it fail for the reason given, not for any reason; the
-    one that fits is read once, in main, and handed to the agent (which wins over --load)."""
+    one that fits is read once, in main, and handed to the agent."""
     launched, reads = [], []
     monkeypatch.setattr(torch.multiprocessing, "spawn", lambda run_worker, args, nprocs, join: launched.append(
         (run_worker, nprocs, args[2], args[3], args[4])))
     load = common.load_checkpoint
     monkeypatch.setattr(common, "load_checkpoint", lambda *args, **kwargs: reads.append(args) or load(*args, **kwargs))
-    rpc_rl.main(["--resume", "--checkpoint-dir", str(bad_files / "ckpt_lr"), "--load", str(bad_files / "good.pt")])
+    rpc_rl.main(["--resume", "--checkpoint-dir", str(bad_files / "ckpt_lr")])
     (_, world_size, args, agent_class, saved), = launched
     assert world_size == 2 and agent_class is rpc_rl.BatchAgent and args.truncation == "bootstrap"
     assert len(reads) == 1 and set(saved) >= set(rpc_rl.CHECKPOINT_KEYS)

@@ -432,7 +432,7 @@ def bad_invocations(text_dir, trained, tmp):
         "save-in-a-missing-folder": bad([*data, "--save", tmp / "missing" / "lm.pt"], "does not exist"),
         "checkpoint-dir-is-a-file": bad([*data, "--checkpoint-dir", tmp / "a-file"], "is not a folder"),
         "checkpoint-is-a-folder": bad([*data, "--checkpoint-dir", tmp / "folder-checkpoint", "--resume"],
-                                      "rpc_rnn.pt: not a readable checkpoint"),
+                                      "rpc_rnn.pt: not a regular file"),
         "save-is-the-checkpoint": bad([*data, "--checkpoint-dir", resume_dir, "--save", resume_dir / "rpc_rnn.pt"],
                                       "is the checkpoint of --checkpoint-dir"),
         "load-missing": bad([*generate, tmp / "nothing.pt"], "no such file"),
