@@ -20,6 +20,7 @@ import gzip
 import hashlib
 import inspect
 import io
+import ipaddress
 import json
 import logging
 import os
@@ -312,8 +313,10 @@ def worker(run_worker):
         torch.set_num_threads(max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
         message, status = "", 0
         try:
-            if torchrun_env():  # spawned, the launcher checked it for every process
+            if env := torchrun_env():  # spawned, the launcher did this for every process (rendezvous)
                 check_machine(world_size)
+                if env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] and loopback(env["MASTER_ADDR"]):
+                    listen_on_loopback()  # one machine: torchrun --standalone, or a MASTER_ADDR of localhost
             run_worker(rank, world_size, *args)
         except Exception as error:
             lost = isinstance(error, dist.DistError) or any(sign in str(error) for sign in LOST_PEER)
@@ -356,18 +359,27 @@ def check_machine(world_size):
                          f"{', '.join(wrong)} (it has {', '.join(interfaces)}); unset it or name one of them")
 
 
+def loopback(host):
+    return ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0]).is_loopback
+
+
+def listen_on_loopback():
+    """Every socket that gloo, TensorPipe and NCCL open on the loopback interface (their variables, unless set)."""
+    name = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, name)
+
+
 @contextlib.contextmanager
 def rendezvous(world_size):
     """Around mp.spawn on one machine, after check_machine: a private folder, removed afterwards, whose files the
     processes meet through (init_process_group and init_rpc each take one), so two runs at once never collide; every
-    socket they open on loopback (the backends' interface variables, unless set); torch's C++ warnings off, unless
+    socket they open on loopback (listen_on_loopback); torch's C++ warnings off, unless
     set; and Ctrl-C held back (blocked) here, which the processes inherit until their worker lets it through: a
     process interrupted while it starts (reading what mp.spawn sends it, importing torch) would print a traceback.
     The processes die of it at once; the launcher acts on it when mp.spawn has stopped them all."""
     check_machine(world_size)
-    loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
-    for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(variable, loopback)
+    listen_on_loopback()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not the peers' C++ warnings when a process dies
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
