@@ -435,7 +435,8 @@ BAD_INPUT = {
     # flags that do not go together
     "batch per device and batch size": (["--batch-per-device", 64, "--batch-size", 128],
                                         ["pass --batch-size or --batch-per-device, not both"], None, None),
-    "warmup without scaling": (["--warmup-epochs", 2], ["--warmup-epochs 2.0: used only with --lr-scaling"], None, None),
+    "warmup without scaling": (["--warmup-epochs", 2], ["--warmup-epochs 2.0: used only with --lr-scaling"], None,
+                               None),
     "lr scaling unknown": (["--lr-scaling", "cubic"], ["invalid choice: 'cubic'"], None, None),
     "allreduce unknown": (["--allreduce", "tree"], ["invalid choice: 'tree'"], None, None),
     "resume without folder": (["--resume"], ["--resume needs --checkpoint-dir"], None, None),
