@@ -246,7 +246,7 @@ def one_line(error, sizes=None):
         return f"{prog}: error: {error}", error.status
     if isinstance(error, BrokenPipeError):
         return "", 141
-    if isinstance(error, OSError) and error.filename is None and error.errno in (errno.ENOSPC, errno.EIO):
+    if isinstance(error, OSError) and error.filename is None and error.errno in (errno.ENOSPC, errno.EIO, errno.EBADF):
         return f"{prog}: error: cannot write the output ({error.strerror}); send it elsewhere", 1
     if sizes and (allocation or "MemoryError" in text):
         what = " ".join(allocation.groups()) if allocation else "an allocation"
@@ -261,6 +261,9 @@ def run_main(main, sizes="size"):
     memory the run takes): a spawned process that raised is named with its traceback (mp.spawn's message), one killed
     by a signal in one line; one that exited with a status has said why itself; Ctrl-C is exit status 130."""
     prog = Path(sys.argv[0]).name
+    if sys.stdout is None:  # started with its output closed (>&-): a file opened later would take its place
+        print(f"{prog}: error: the output is closed; give the run somewhere to write it", file=sys.stderr)
+        sys.exit(2)
     sys.stdout.reconfigure(errors="backslashreplace")  # characters the output's encoding lacks (PYTHONIOENCODING)
     try:
         return main()
@@ -306,8 +309,7 @@ def worker(run_worker):
       group DDP still holds, RPC agents, CUDA contexts) in no set order and can abort a run that succeeded."""
     @functools.wraps(run_worker)
     def run(rank, world_size, *args):
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it at once, in C++ too, without a traceback,
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # also one pressed while it started
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it at once, in C++ too, without a traceback
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         torch.set_num_threads(max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
@@ -375,21 +377,30 @@ def rendezvous(world_size):
     """Around mp.spawn on one machine, after check_machine: a private folder, removed afterwards, whose files the
     processes meet through (init_process_group and init_rpc each take one), so two runs at once never collide; every
     socket they open on loopback (listen_on_loopback); torch's C++ warnings off, unless
-    set; and Ctrl-C held back (blocked) here, which the processes inherit until their worker lets it through: a
-    process interrupted while it starts (reading what mp.spawn sends it, importing torch) would print a traceback.
-    The processes die of it at once; the launcher acts on it when mp.spawn has stopped them all."""
+    set; and Ctrl-C ignored until join: the processes that mp.spawn starts meanwhile inherit that until their
+    worker takes Ctrl-C back, since one interrupted while it starts (reading what mp.spawn sends it, importing torch)
+    would print a traceback."""
     check_machine(world_size)
     listen_on_loopback()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not the peers' C++ warnings when a process dies
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
     with tempfile.TemporaryDirectory(prefix="rendezvous-") as folder:
         try:
             yield f"file://{folder}/store"
         finally:  # a process that mp.spawn started before it failed to start the next
             for process in mp.active_children():
                 process.kill()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a Ctrl-C pressed meanwhile acts now
+            signal.signal(signal.SIGINT, interrupt)
+
+
+def join(processes):
+    """Wait for the processes of mp.spawn(..., join=False), as its join=True does, once they have all started: Ctrl-C,
+    ignored while they started (rendezvous), interrupts the launcher again (run_main reports it, and rendezvous stops
+    the processes that are still starting), as it ends each process that runs its worker."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    while not processes.join():
+        pass
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")

@@ -483,7 +483,9 @@ def main(argv=None):
         return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, data_folder, saved)
     world_size = args.gpus or args.procs
     with common.rendezvous(world_size) as store:
-        mp.spawn(run_worker, args=(world_size, store, args, data_folder, saved), nprocs=world_size, join=True)
+        processes = mp.spawn(run_worker, args=(world_size, store, args, data_folder, saved), nprocs=world_size,
+                             join=False)
+        common.join(processes)
 
 
 if __name__ == "__main__":

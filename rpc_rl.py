@@ -510,7 +510,9 @@ def main(argv=None):
     if torchrun:  # started by torchrun (RANK set): this process's part
         return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, agent_class, saved)
     with common.rendezvous(args.world_size) as store:
-        mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved), nprocs=args.world_size, join=True)
+        processes = mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved),
+                             nprocs=args.world_size, join=False)
+        common.join(processes)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import emit_result, init_process_group, parse_args, rendezvous, run_main, worker  # noqa: E402
+from common import emit_result, init_process_group, join, parse_args, rendezvous, run_main, worker  # noqa: E402
 from multi_gpu import ALLREDUCES  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def run_worker(rank, world_size, store, args):
 def main():
     args = parse_args(Args)
     with rendezvous(args.procs) as store:
-        mp.spawn(run_worker, args=(args.procs, store, args), nprocs=args.procs, join=True)
+        join(mp.spawn(run_worker, args=(args.procs, store, args), nprocs=args.procs, join=False))
 
 
 if __name__ == "__main__":
