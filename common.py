@@ -221,8 +221,9 @@ def check_used(args, **unused):
     dropped without a word: unused={flag name: when it is used ("with --generate"), where this run does not use it}."""
     defaults = {field.name: field.default for field in dataclasses.fields(args)}
     for name, when in unused.items():
-        check(getattr(args, name) == defaults[name], f"--{name.replace('_', '-')} {getattr(args, name)}: used only "
-                                                     f"{when}; drop it")
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        given = (flag if value else f"--no-{flag[2:]}") if isinstance(value, bool) else f"{flag} {value}"
+        check(value == defaults[name], f"{given}: used only {when}; drop it")
 
 
 def check_memory(what, need, sizes):

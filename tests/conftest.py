@@ -133,6 +133,35 @@ def assert_help_follows_the_rules(module, capsys):
     return text
 
 
+def assert_help_shows_every_default(module, capsys):
+    """`script.py --help` lists every field of the script's Args as its flag (--field-name; a bool also as
+    --no-field-name), and the text of every field whose default is not None ends in `(default: <value>)`, once (a
+    flag that is off unless given, default None, says what "not given" means in its own words instead). The texts are
+    read with their line breaks undone, since argparse may wrap a default across two lines. Holds for fields added
+    later. Returns the help text."""
+    import dataclasses
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    # Each flag's entry: its first line ("  --flag ...") and the lines indented under it, up to the next flag, the
+    # next group's title or a blank line.
+    entries = {}
+    for entry in re.findall(r"^  (--[a-z0-9-]+.*(?:\n {3,}\S.*)*)", text, flags=re.M):
+        entries[entry.split()[0].rstrip(",")] = " ".join(entry.split())
+    for field in dataclasses.fields(module.Args):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in entries, f"{flag} (Args.{field.name}) is not in --help"
+        if isinstance(field.default, bool):
+            assert entries[flag].startswith(f"{flag}, --no-{flag[2:]} "), entries[flag]
+        shown = re.findall(r"\(default: ([^)]*)\)", entries[flag])
+        if field.default is None:
+            assert not shown, f"{flag}: a default shown for a flag that is off unless given: {entries[flag]}"
+        else:
+            assert shown == [str(field.default)], f"{flag}: want one (default: {field.default}): {entries[flag]}"
+    return text
+
+
 def unprivileged(command):
     """command as a process held to the files' permission bits: as root (a CI container), in a user namespace of its
     own (`unshare --user`), where root's privileges over the file system do not reach."""
