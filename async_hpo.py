@@ -156,7 +156,8 @@ def validate(args):
     check(args.ray_address or " " not in sys.executable + str(Path(__file__).resolve()) + os.path.abspath(
         args.results_dir), "the paths of Python, of this script and of --results-dir must not contain spaces")
     if args.ray_address:
-        common.check_used(args, trial_timeout="without --ray-address (Ray watches the trials it runs)")
+        common.check_used(args, trial_timeout="without --ray-address (Ray watches the trials it runs)",
+                          oversubscribe="without --ray-address (the cluster's CPUs decide)")
 
 
 # --- The tutorial (D2L 19.3): the objective, the configuration space, the scheduler, the backend, the tuner ---

@@ -3,6 +3,7 @@ the same update), reproducibility, save/load, checkpoints and exact resume, torc
 input, failures (a killed or stopped process, a killed launcher, a full disk)."""
 
 import copy
+import io
 import multiprocessing
 import os
 import re
@@ -27,21 +28,24 @@ from conftest import (
     REPO,
     assert_all_ended,
     assert_help_follows_the_rules,
+    assert_help_shows_every_default,
     assert_usage_error,
     free_port,
     kill_all,
     last_json,
     run_script,
     spawned_workers,
-    start_script,
     torchrun_command,
     tree,
+    unprivileged,
     wait_for_line,
 )
 
 
-def start_rpc_rl(*args):
-    return start_script("rpc_rl.py", *args)
+def start_rpc_rl(*args, env=None):
+    """Start `python rpc_rl.py args...` from the repo root without waiting, with `env` added to the environment."""
+    return subprocess.Popen([sys.executable, str(REPO / "rpc_rl.py"), *map(str, args)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
 def finish(proc, timeout=120):
@@ -54,6 +58,53 @@ def finish(proc, timeout=120):
     assert proc.returncode == 0, err[-3000:]
     assert err == "", err[-3000:]  # no warning the user can do nothing about
     return last_json(out)
+
+
+# A sitecustomize module, which Python imports as every process of a run starts (on PYTHONPATH, so mp.spawn's and
+# torchrun's workers too): it counts the calls of CartPole's own step method, one byte per call, in a file per process
+# named by the RPC worker that steps ("observer1", "agent") and when it first stepped. os.write, unbuffered: the
+# counts survive the workers' os._exit.
+STEP_COUNTER = """
+import os
+import time
+
+import gymnasium.envs.classic_control.cartpole as cartpole
+
+step, counter = cartpole.CartPoleEnv.step, []
+
+
+def counted_step(self, action):
+    if not counter:
+        from torch.distributed import rpc
+        try:
+            name = rpc.get_worker_info().name
+        except RuntimeError:  # no RPC agent in this process
+            name = "local"
+        path = os.path.join(os.environ["STEP_COUNT_DIR"], f"{name}-{time.time_ns()}-{os.getpid()}")
+        counter.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND))
+    os.write(counter[0], b".")
+    return step(self, action)
+
+
+cartpole.CartPoleEnv.step = counted_step
+"""
+
+
+def step_counter(folder):
+    """(the environment of a run whose CartPole steps are counted in `folder`, and a function that reads the counts:
+    {RPC worker name: [steps of each process of that name, in the order they first stepped]})."""
+    counts = folder / "counts"
+    counts.mkdir(parents=True)
+    (folder / "sitecustomize.py").write_text(STEP_COUNTER)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])),
+           "STEP_COUNT_DIR": str(counts)}
+
+    def read():
+        steps = {}
+        for path in sorted(counts.iterdir(), key=lambda path: int(path.name.split("-")[1])):
+            steps.setdefault(path.name.split("-")[0], []).append(path.stat().st_size)
+        return steps
+    return env, read
 
 
 # `python rpc_rl.py --max-episodes 40 --seed 3 --eval-episodes 3` on this machine's CPU (2026-11-23): every run with
@@ -70,16 +121,27 @@ def test_two_observers_give_the_same_episodes_from_the_same_seed(tmp_path, envs)
     """Two observers with `envs` environments each, the same command twice at once (which also shows that runs at
     once do not collide): the batches of every step are formed in observer order, so a seed gives one run."""
     flags = ("--world-size", 3, "--max-episodes", 4, "--seed", 3, "--envs-per-observer", envs, "--eval-episodes", 2)
-    first, second = start_rpc_rl(*flags), start_rpc_rl(*flags)
+    counted = [step_counter(tmp_path / run) for run in ("first", "second")]
+    first, second = (start_rpc_rl(*flags, env=env) for env, _ in counted)
     result, again = finish(first), finish(second)
     assert result["episode_rewards"] == again["episode_rewards"] and result["eval_rewards"] == again["eval_rewards"]
     assert result["episodes"] == 4
     assert all(len(rewards) == 2 * envs and min(rewards) > 0 for rewards in result["episode_rewards"])
     columns = list(zip(*result["episode_rewards"]))
     assert len(set(columns)) == 2 * envs  # every environment plays episodes of its own (seeds drawn by the agent)
-    # CartPole pays 1 per step, so the rewards count the env steps the observers reported
-    assert result["env_steps"] == sum(map(sum, result["episode_rewards"]))
     assert len(result["eval_rewards"]) == 2
+    # env_steps is computed from the rewards that reached the agent (CartPole pays 1 per step); the observers'
+    # environments counted their own steps (STEP_COUNTER). A reward lost or counted twice on its way to the agent,
+    # an episode cut short or played on, or env_steps counted from anything else makes them differ. Observer k's
+    # environments are columns (k - 1) * envs ... k * envs - 1 of each episode's rewards; the agent's own steps are
+    # those of its greedy evaluation.
+    for run, (_, counts) in zip((result, again), counted):
+        steps = counts()
+        for ob_id in (1, 2):
+            assert steps[f"observer{ob_id}"] == [sum(sum(rewards[(ob_id - 1) * envs:ob_id * envs])
+                                                     for rewards in run["episode_rewards"])], (steps, run)
+        assert run["env_steps"] == steps["observer1"][0] + steps["observer2"][0], (steps, run)
+        assert steps["agent"] == [sum(run["eval_rewards"])] and set(steps) == {"observer1", "observer2", "agent"}
 
 
 class RecordingAgent:
@@ -175,10 +237,14 @@ def test_same_seed_same_rewards_it_learns_and_the_saved_policy_evaluates_the_sam
     folder.mkdir()
     for name in ("rpc_rl.py", "common.py"):
         shutil.copy(REPO / name, folder / name)
+    # with --resume in a checkpoint folder that has no checkpoint yet: --load is what the run starts from
+    (tmp_path / "checkpoints").mkdir()
     proc = subprocess.run([sys.executable, "rpc_rl.py", *map(str, ("--load", saved, "--max-episodes", 0,
-                                                                   "--eval-episodes", 3, "--seed", 3))],
+                                                                   "--eval-episodes", 3, "--seed", 3, "--resume",
+                                                                   "--checkpoint-dir", tmp_path / "checkpoints"))],
                           cwd=folder, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert "resuming" not in proc.stdout and list((tmp_path / "checkpoints").iterdir()) == []
     evaluated = last_json(proc.stdout)
     assert evaluated["episodes"] == 0 and evaluated["env_steps"] == 0
     assert evaluated["eval_rewards"] == trained["eval_rewards"]
@@ -190,11 +256,15 @@ def test_same_seed_same_rewards_it_learns_and_the_saved_policy_evaluates_the_sam
     assert not torch.equal(rpc_rl.Policy().affine1.weight, policy.affine1.weight)  # the file holds trained weights
 
 
-def test_the_tutorials_code_runs_alone_and_learns():
+def test_the_tutorials_code_runs_alone_and_learns(tmp_path):
     """--tutorial: the story's Agent and Observer, two RPCs per step, one forward with autograd per request."""
-    result = finish(start_rpc_rl("--tutorial", "--max-episodes", 40, "--seed", 3, "--log-interval", 40))
+    env, counts = step_counter(tmp_path)
+    result = finish(start_rpc_rl("--tutorial", "--max-episodes", 40, "--seed", 3, "--log-interval", 40, env=env))
     rewards = [reward for (reward,) in result["episode_rewards"]]
-    assert result["episodes"] == 40 and "eval_rewards" not in result and result["env_steps"] == sum(rewards)
+    assert result["episodes"] == 40 and "eval_rewards" not in result
+    # the steps the observer's environment made (STEP_COUNTER), not the rewards env_steps is computed from: a reward
+    # report_reward lost or recorded twice makes them differ
+    assert counts() == {"observer1": [result["env_steps"]]}, (counts(), result["env_steps"])
     assert sum(rewards[-10:]) > 1.5 * sum(rewards[:10]), rewards
 
 
@@ -290,8 +360,23 @@ def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_different
     assert bootstrapped[first + 1:] != rewards[first + 1:first + 5]
 
 
-def test_killed_observer_ends_the_run_without_orphans_and_every_socket_is_on_loopback():
-    proc = start_rpc_rl("--world-size", 3, "--max-episodes", 5000, "--log-interval", 1)
+# How long after a kill (or a failed write) the launcher must have ended: mp.spawn's join wakes as soon as a process
+# dies, SIGTERMs the others, which have no handler for it and die at once, and the launcher prints its line (0.7 to
+# 1.2 s measured here with 4 test runs sharing the 2 cores). A process that outlived the SIGTERM would be SIGKILLed
+# only after mp.spawn's 30 s grace; 10 s stays well below that and leaves 8 times the measured time for load.
+ENDS_WITHIN_S = 10
+CHECKPOINT_EVERY = 10  # episodes between checkpoints in the kill test: a few seconds to the first
+
+
+def test_killed_observer_ends_the_run_in_one_line_keeps_the_last_checkpoint_and_every_socket_is_on_loopback(tmp_path):
+    """An observer SIGKILLed while the agent writes a checkpoint every CHECKPOINT_EVERY episodes: the launcher's one
+    line naming process 2, exit status 1, every process ended at once, and the checkpoint from before the kill as it
+    was saved. The agent, which alone writes checkpoints, is stopped (SIGSTOP) for the moment of the kill, right after
+    episode CHECKPOINT_EVERY + 1, when the next checkpoint is CHECKPOINT_EVERY - 1 episodes away: the file read then is
+    what was saved last, and no later one can replace it (the agent continues the instant the kill is sent)."""
+    checkpoint = tmp_path / "rpc_rl.pt"
+    proc = start_rpc_rl("--world-size", 3, "--max-episodes", 5000, "--log-interval", 1, "--checkpoint-dir", tmp_path,
+                        "--checkpoint-interval", CHECKPOINT_EVERY)
     try:
         wait_for_line(proc, "episode 1 |", timeout=100)  # training is under way
         processes = psutil.Process(proc.pid).children(recursive=True)
@@ -299,16 +384,34 @@ def test_killed_observer_ends_the_run_without_orphans_and_every_socket_is_on_loo
         assert len(workers) == 3
         listening = [c.laddr.ip for w in workers for c in w.net_connections(kind="inet") if c.status == "LISTEN"]
         assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening  # TensorPipe's
+        wait_for_line(proc, f"episode {CHECKPOINT_EVERY + 1} |", timeout=100)
+        workers[0].suspend()
+        saved = checkpoint.read_bytes()
         killed_at = time.monotonic()
         workers[-1].send_signal(signal.SIGKILL)
+        workers[0].resume()
         _, err = proc.communicate(timeout=60)
-        assert time.monotonic() - killed_at < 60
+        ended_after = time.monotonic() - killed_at
         assert proc.returncode == 1, err[-3000:]
-        # the launcher's line names it (the agent may have reported the lost connection first)
-        assert "error: process 2 terminated with signal SIGKILL; the other processes were stopped" in err, err
+        assert err == "rpc_rl.py: error: process 2 terminated with signal SIGKILL; the other processes were stopped\n"
+        assert ended_after < ENDS_WITHIN_S, ended_after
         assert_all_ended(processes, timeout=5)
     finally:
         kill_all(proc)
+    # the checkpoint is the one saved before the kill, byte for byte, and it holds the first CHECKPOINT_EVERY episodes
+    # (Adam counted as many updates) of a trained policy; no temporary file is left beside it
+    assert checkpoint.read_bytes() == saved
+    kept = common.load_checkpoint(checkpoint, "rpc_rl", "--resume", keys=rpc_rl.CHECKPOINT_KEYS)
+    before = torch.load(io.BytesIO(saved), weights_only=True)
+    assert kept.keys() == before.keys() and kept["rng"] == before["rng"]
+    for name, tensor in before["policy"].items():
+        assert torch.equal(kept["policy"][name], tensor), name
+    assert len(kept["episode_rewards"]) == CHECKPOINT_EVERY and all(len(rewards) == 2 and min(rewards) > 0
+                                                                     for rewards in kept["episode_rewards"])
+    assert [state["step"].item() for state in kept["optimizer"]["state"].values()] == [CHECKPOINT_EVERY] * 4
+    torch.manual_seed(1)  # --seed's initial policy
+    assert not torch.equal(rpc_rl.Policy().affine1.weight, kept["policy"]["affine1.weight"])
+    assert [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
 
 
 def test_a_killed_launcher_leaves_nothing():
@@ -338,10 +441,12 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     checkpoint: torchrun starts the processes again, the agent resumes from the last checkpoint, and the run ends
     with, episode for episode, the rewards, running reward and greedy evaluation of a run that never stopped."""
     checkpoint = tmp_path / "rpc_rl.pt"
+    counting, counts = step_counter(tmp_path / "steps")
     proc = subprocess.Popen(torchrun_command("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "rpc_rl.py",
                                              "--seed", 3, "--max-episodes", 40, "--eval-episodes", 3, "--log-interval",
                                              1, "--checkpoint-dir", tmp_path, "--checkpoint-interval", 5, "--resume"),
-                            cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, env={**TORCHRUN_ENV, **counting}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         wait_for_line(proc, "episode 5 |", timeout=100)
         deadline = time.monotonic() + 60
@@ -360,7 +465,13 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     result = last_json(out)
     assert [reward for (reward,) in result["episode_rewards"]] == SEED_3
     assert result["running_reward"] == SEED_3_RUNNING_REWARD and result["eval_rewards"] == SEED_3_EVAL
-    assert result["env_steps"] == sum(SEED_3)
+    # The steps the observers' environments made in each round (STEP_COUNTER), not the rewards env_steps is computed
+    # from: the restarted observer played exactly the episodes the checkpoint lacked, the killed one at least those
+    # the checkpoint holds, and env_steps counts the whole run, the episodes of the checkpoint with the resumed ones.
+    steps, episodes = counts(), int(resumed.group(1))
+    assert len(steps["observer1"]) == 2 and steps["agent"] == [sum(SEED_3_EVAL)], steps
+    assert steps["observer1"][1] == sum(SEED_3[episodes:]) and steps["observer1"][0] >= sum(SEED_3[:episodes]), steps
+    assert result["env_steps"] == sum(SEED_3[:episodes]) + steps["observer1"][1]
     assert common.load_checkpoint(checkpoint, "rpc_rl", "--resume")["episode_rewards"] == [
         [reward] for reward in SEED_3]  # the last one, at the end
 
@@ -388,6 +499,7 @@ def test_two_torchrun_nodes_on_loopback_give_the_rewards_of_the_spawned_run():
 
 def test_the_help_follows_the_rules(capsys):
     assert_help_follows_the_rules(rpc_rl, capsys)
+    assert_help_shows_every_default(rpc_rl, capsys)
 
 
 def test_the_help_is_grouped_and_names_only_what_a_copy_of_the_script_has(capsys):
@@ -442,8 +554,6 @@ def bad_files(tmp_path):
     wide = {**rpc_rl.Policy().state_dict(), "affine1.weight": torch.zeros(64, 4)}
     write_checkpoint_file(tmp_path / "wide.pt", policy=wide)
     common.save_checkpoint(tmp_path / "no_policy.pt", "rpc_rl", {"weights": wide})
-    (tmp_path / "unreadable.pt").write_bytes(good)
-    (tmp_path / "unreadable.pt").chmod(0)
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "ckpt_text").mkdir()
     (tmp_path / "ckpt_text" / "rpc_rl.pt").write_text("garbage")
@@ -455,12 +565,12 @@ def bad_files(tmp_path):
     write_checkpoint_file(tmp_path / "ckpt_optimizer" / "rpc_rl.pt",
                           optimizer={"state": {}, "param_groups": [{"params": [0]}]})
     write_checkpoint_file(tmp_path / "ckpt_wide" / "rpc_rl.pt", policy=wide)
-    yield tmp_path
-    (tmp_path / "unreadable.pt").chmod(0o600)
+    (tmp_path / "ckpt_link").mkdir()
+    (tmp_path / "ckpt_link" / "rpc_rl.pt").symlink_to(tmp_path / "gone.pt")  # a link to nothing
+    (tmp_path / "ckpt_none").mkdir()  # no checkpoint yet
+    return tmp_path
 
 
-ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
-NOT_ROOT = pytest.mark.skipif(ROOT, reason="root reads files whatever their permissions")
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500"}
 BAD_INVOCATIONS = [
@@ -498,6 +608,16 @@ BAD_INVOCATIONS = [
     ("--tutorial --eval-episodes 2 --save {tmp}/p.pt", "--tutorial runs the tutorial's code alone: leave out"),  # new
     ("--tutorial --checkpoint-dir {tmp}/ck --resume", "--tutorial runs the tutorial's code alone: leave out"),  # new
     ("--resume", "--resume needs --checkpoint-dir"),
+    # flags the run would drop without a word
+    ("--resume --checkpoint-dir {tmp}/ckpt_lr --load {tmp}/good.pt", "--load {tmp}/good.pt: --resume continues the "
+     "checkpoint in {tmp}/ckpt_lr instead; drop --load, or pass another --checkpoint-dir"),
+    ("--checkpoint-interval 5", "--checkpoint-interval 5: used only with --checkpoint-dir; drop it"),
+    ("--tutorial --checkpoint-interval 5", "--checkpoint-interval 5: used only with --checkpoint-dir; drop it"),
+    ("--world-size 3", "--world-size 3: used only without torchrun (its WORLD_SIZE is the world size); drop it",
+     TORCHRUN),
+    # a resumed run continues the checkpoint's generator: another --seed would be dropped
+    ("--resume --checkpoint-dir {tmp}/ckpt_lr --seed 7", "'seed': 7, 'gamma': 0.99, 'lr': 0.01, 'truncation': "
+                                                       "'bootstrap'}}; pass the same flags"),
     # empty values: never "not given"
     ("--checkpoint-dir=", "--checkpoint-dir '': an empty value"),  # new
     ("--load=", "--load '': an empty value"),  # new
@@ -507,7 +627,6 @@ BAD_INVOCATIONS = [
     ("--load {tmp}/folder", "--load {tmp}/folder: not a regular file; pass a file"),
     ("--load /dev/null", "--load /dev/null: not a regular file"),  # new
     ("--load {tmp}/fifo", "--load {tmp}/fifo: not a regular file"),  # new
-    pytest.param("--load {tmp}/unreadable.pt", "cannot be read", {}, marks=NOT_ROOT),
     ("--save {tmp}/folder", "--save {tmp}/folder: not a regular file; pass a file name"),
     ("--save /dev/null", "--save /dev/null: not a regular file"),  # new: the rename would replace the device
     ("--save {tmp}/fifo", "--save {tmp}/fifo: not a regular file"),  # new
@@ -520,6 +639,8 @@ BAD_INVOCATIONS = [
     ("--checkpoint-dir {tmp}/ckpt_folder --resume", "--checkpoint-dir {tmp}/ckpt_folder/rpc_rl.pt: not a regular "
                                                     "file"),
     ("--checkpoint-dir {tmp}/ckpt_fifo --resume", "--checkpoint-dir {tmp}/ckpt_fifo/rpc_rl.pt: not a regular file"),
+    ("--checkpoint-dir {tmp}/ckpt_link --resume", "--checkpoint-dir {tmp}/ckpt_link/rpc_rl.pt: a link to nothing; pass "
+                                                 "a file name"),  # left as it is: tree() reads links, not targets
     # files that are not this script's, or whose contents do not fit
     ("--load {tmp}/empty.pt", "--load {tmp}/empty.pt: not a readable checkpoint"),
     ("--load {tmp}/text.pt", "not a readable checkpoint"),
@@ -578,12 +699,30 @@ def test_the_command_line_refuses_bad_input_in_one_line_before_starting_anything
     assert list(tmp_path.iterdir()) == [] and proc.stdout == ""
 
 
+def test_an_unreadable_load_file_is_one_line_exit_2_also_for_root(tmp_path):
+    """A --load file of mode 000, read by a process held to the permission bits (conftest.unprivileged: as root, in
+    a user namespace of its own): the one line of the bad-input table, before any process starts."""
+    path = tmp_path / "unreadable.pt"
+    write_checkpoint_file(path)
+    path.chmod(0)
+    before = tree(tmp_path)
+    proc = subprocess.run(unprivileged([sys.executable, REPO / "rpc_rl.py", "--load", path]), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert_usage_error(proc, f"rpc_rl.py: error: --load {path}: cannot be read (Permission denied); fix that or pass "
+                             f"another path")
+    assert proc.stdout == "" and tree(tmp_path) == before
+
+
 def test_a_resumable_checkpoint_passes_the_checks_and_is_read_once(bad_files, monkeypatch):
     """The other side of the table: the checkpoints made for it fail for the reason given, not for any reason; the
     one that fits is read once, in main, and handed to the agent."""
     launched, reads = [], []
-    monkeypatch.setattr(torch.multiprocessing, "spawn", lambda run_worker, args, nprocs, join: launched.append(
-        (run_worker, nprocs, args[2], args[3], args[4])))
+
+    def spawn(run_worker, args, nprocs, join):
+        launched.append((run_worker, nprocs, args[2], args[3], args[4]))
+        return types.SimpleNamespace(join=lambda: True)  # mp.spawn(..., join=False)'s context, its processes done
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
     load = common.load_checkpoint
     monkeypatch.setattr(common, "load_checkpoint", lambda *args, **kwargs: reads.append(args) or load(*args, **kwargs))
     rpc_rl.main(["--resume", "--checkpoint-dir", str(bad_files / "ckpt_lr")])
@@ -593,6 +732,11 @@ def test_a_resumable_checkpoint_passes_the_checks_and_is_read_once(bad_files, mo
     rpc_rl.main(["--world-size", "40", "--oversubscribe", "--tutorial", "--load", str(bad_files / "good.pt")])
     assert launched[1][1] == 40 and launched[1][3] is rpc_rl.Agent and launched[1][2].truncation == "terminal"
     assert set(launched[1][4]) == {"policy"}
+    # --load beside a --resume that finds no checkpoint yet: the run starts from the --load policy
+    rpc_rl.main(["--resume", "--checkpoint-dir", str(bad_files / "ckpt_none"), "--load", str(bad_files / "good.pt")])
+    good = torch.load(bad_files / "good.pt", weights_only=True)["policy"]
+    assert set(launched[2][4]) == {"policy"} and all(torch.equal(launched[2][4]["policy"][name], tensor)
+                                                      for name, tensor in good.items())
 
 
 # --- Failures during the run ---
@@ -634,7 +778,11 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line_and_keeps_
             time.sleep(0.02)
         workers = spawned_workers(proc)
         resource.prlimit(workers[0].pid, resource.RLIMIT_FSIZE, (8000, 8000))
+        limited_at = time.monotonic()
         _, err = proc.communicate(timeout=60)
+        # the next checkpoint fails one short early episode later, and the run ends as after a kill
+        ended_after = time.monotonic() - limited_at
+        assert ended_after < ENDS_WITHIN_S, ended_after
         assert proc.returncode == 1, err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         assert f"cannot write {checkpoint}" in err and "free space" in err and "--checkpoint-dir" in err, err
