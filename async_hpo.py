@@ -40,6 +40,7 @@ import importlib.util
 import io
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -125,7 +126,10 @@ class Args:
     """folder that receives one folder per search (Syne Tune's SYNETUNE_FOLDER)"""
     # Devices and launch
     cuda: bool = False
-    """train trials on GPUs: one GPU per trial when there are several, else all share the one"""
+    """train the trials on GPUs (the accelerator torch finds): each trial on one, the one fewest running trials use"""
+    trials_per_gpu: common.Positive = 1
+    """with --cuda, trials that may share one GPU: on this machine up to N running trials per GPU, on Ray each trial
+    reserves 1/N of one"""
     trial_threads: Optional[common.Positive] = None
     """CPU threads per trial (on Ray, the CPUs it reserves for each); not given: this machine's cores / --n-workers (on
     Ray: the most that lets --n-workers trials run at once)"""
@@ -150,8 +154,15 @@ def validate(args):
           f"--limit-train {args.limit_train}: more than the {train_images} training images")
     check(args.scheduler != "gp" or importlib.util.find_spec("botorch") is not None,
           "--scheduler gp needs botorch: pip install botorch==0.18.1 (or pick --scheduler bo)")
-    check(not args.cuda or args.ray_address or torch.cuda.device_count() > 0,
-          "--cuda: no CUDA device on this machine; run without --cuda")
+    gpus = torch.accelerator.device_count()
+    check(not args.cuda or args.ray_address or gpus > 0, "--cuda: no GPU on this machine; run without --cuda")
+    if args.cuda and not args.ray_address:  # (on Ray, main checks the cluster's GPUs)
+        need = math.ceil(args.n_workers / max(gpus, 1))
+        check(args.n_workers <= gpus * args.trials_per_gpu, f"--n-workers {args.n_workers}: more trials at once than "
+              f"the {gpus} GPU(s) here hold at --trials-per-gpu {args.trials_per_gpu}; pass --trials-per-gpu {need}, "
+              f"or fewer workers")
+    if not args.cuda:
+        common.check_used(args, trials_per_gpu="with --cuda")
     # Syne Tune's local backend splits each trial's command line at spaces
     check(args.ray_address or " " not in sys.executable + str(Path(__file__).resolve()) + os.path.abspath(
         args.results_dir), "the paths of Python, of this script and of --results-dir must not contain spaces")
@@ -383,9 +394,10 @@ def trial_main(argv):
     if os.getppid() != config["parent_pid"]:  # the parent died before the line above took effect
         raise SystemExit("the process that started this trial is gone")
     torch.set_num_threads(config["threads"])
-    device = torch.device("cuda", config.get("gpu", 0)) if config["device"] == "cuda" else torch.device("cpu")
-    where = f"{device} {torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}" \
-        if device.type == "cuda" else "cpu"
+    device = common.pick_device(config["device"] == "gpu", config.get("gpu", 0))
+    where = str(device)
+    if device.type == "cuda":  # which GPU, whatever the index: CUDA_VISIBLE_DEVICES may differ from one node to another
+        where += f" {torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}"
     print(TRIAL_INFO + json.dumps({"device": where, "host": socket.gethostname(), "pid": os.getpid(),
                                    "threads": torch.get_num_threads()}), flush=True)
     torch.manual_seed(config["seed"])
@@ -416,7 +428,7 @@ class WatchedTrials(LocalBackend):
     # _schedule and _all_trial_results are TrialBackend's documented extension points
     def _schedule(self, trial_id, config):
         busy = [self.gpus[trial] for trial, process in self.trial_subprocess.items() if process.poll() is None]
-        self.gpus[trial_id] = min(range(max(1, torch.cuda.device_count())), key=busy.count)
+        self.gpus[trial_id] = min(range(max(1, torch.accelerator.device_count())), key=busy.count)
         super()._schedule(trial_id, {**config, "gpu": self.gpus[trial_id]})
 
     def _all_trial_results(self, trial_ids):
@@ -720,16 +732,18 @@ def main(argv=None):
     common.load_fashion_mnist(data_folder)  # every file verified here: a damaged one is one line before any trial
     if args.ray_address:
         nodes = connect_to_ray(args.ray_address, Path(__file__).resolve())
-        fit = cpus_per_trial(nodes, args.n_workers, int(args.cuda))
+        gpus_per_trial = 1 / args.trials_per_gpu if args.cuda else 0
+        fit = cpus_per_trial(nodes, args.n_workers, gpus_per_trial)
         threads = args.trial_threads or fit
-        check(1 <= threads <= fit, f"--n-workers {args.n_workers} with {max(threads, 1)} CPUs each: more than the "
-                                   f"cluster can run at once (CPUs, GPUs of its nodes: {nodes})")
-        backend = functools.partial(RayTrials, threads, int(args.cuda))
+        check(1 <= threads <= fit, f"--n-workers {args.n_workers} with {max(threads, 1)} CPUs each"
+                                   f"{f' and 1/{args.trials_per_gpu} GPU' if args.cuda else ''}: more than the cluster "
+                                   f"can run at once (CPUs, GPUs of its nodes: {nodes})")
+        backend = functools.partial(RayTrials, threads, gpus_per_trial)
     else:
         threads = args.trial_threads or max(1, common.usable_cpus() // args.n_workers)
         backend = functools.partial(WatchedTrials, args.trial_timeout)
     config_space = {**make_config_space(args, data_folder), **(MLP_SPACE if args.model == "mlp" else {}),
-                    "model": args.model, "threads": threads, "device": "cuda" if args.cuda else "cpu",
+                    "model": args.model, "threads": threads, "device": "gpu" if args.cuda else "cpu",
                     "parent_pid": os.getpid()}
     report(args, run_search(args, config_space, backend))
 

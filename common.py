@@ -517,18 +517,23 @@ def round_store(name, rank, world_size, timeout_s):
 # ---------------------------------------------------------------------------------------------------------
 
 def pick_device(use_gpu, index):
-    """cuda:index, made this process's current device, when use_gpu, else the CPU. A missing GPU is a UsageError."""
+    """GPU `index` of this machine, made this process's current device, when use_gpu, else the CPU: the accelerator
+    that torch.accelerator finds (CUDA, ROCm, Intel's XPU, ...). A missing one is a UsageError."""
     if not use_gpu:
         return torch.device("cpu")
-    check(0 <= index < torch.cuda.device_count(), f"no CUDA device {index} here; run without the GPU flag")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    count = torch.accelerator.device_count()
+    check(0 <= index < count, f"no GPU {index} here ({count} found); run without the GPU flag")
+    torch.accelerator.set_device_index(index)
+    return torch.device(torch.accelerator.current_accelerator().type, index)
 
 
-def set_tf32(allowed):
-    """Let float32 matrix products and convolutions on Ampere and newer GPUs run in TF32 (relative error near
-    1e-3), or keep them in IEEE float32, as every comparison with another device needs."""
-    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "tf32" if allowed else "ieee"
+def set_tf32(device, allowed):
+    """On a CUDA device, let float32 matrix products and convolutions on Ampere and newer GPUs run in TF32 (relative
+    error near 1e-3), or keep them in IEEE float32, as every comparison with another device needs; elsewhere, nothing.
+    Through torch's allow_tf32 flags, which every getter reads back (torch 2.13's fp32_precision setters would make
+    the allow_tf32 getters raise, in this script and in any library it calls)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allowed
 
 
 # ---------------------------------------------------------------------------------------------------------

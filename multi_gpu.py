@@ -44,8 +44,8 @@ import common
 class Args:
     # The tutorial's settings
     gpus: Optional[common.NonNegative] = None
-    """GPUs to train on, one process each (NCCL); 0 trains on --procs CPU processes (gloo); not given: every GPU of
-    this machine, or 0 if it has none"""
+    """GPUs to train on, one process each (NCCL on CUDA); 0 trains on --procs CPU processes (gloo); not given: every
+    GPU of this machine, or 0 if it has none"""
     batch_size: Optional[common.Positive] = None
     """global minibatch, split evenly across the processes; not given: 256 (the tutorial's), or --batch-per-device
     times the processes"""
@@ -400,7 +400,7 @@ def validate(args):
     """The rules that involve several flags, the machine, the launcher or the checkpoint, checked before any data is
     read: each broken rule is one line and exit status 2. Fills in --gpus and --batch-size; returns the checkpoint
     to resume from, read by rank 0 (the launcher, or torchrun's rank 0), else None."""
-    torchrun, gpus_here = common.torchrun_env(), torch.cuda.device_count()
+    torchrun, gpus_here = common.torchrun_env(), torch.accelerator.device_count()
     local = torchrun["LOCAL_WORLD_SIZE"] if torchrun else gpus_here  # processes on this machine, one per GPU
     if args.gpus is None:  # every GPU of this machine
         args.gpus = local if gpus_here else 0
@@ -435,10 +435,9 @@ def run_worker(rank, world_size, store, args, data_folder, saved):
     data itself, already checked by main: sent with mp.spawn, they would travel through /dev/shm, which a container
     may keep too small for them."""
     device = common.pick_device(args.gpus > 0, common.local_rank(rank))
-    if device.type == "cuda":
-        common.set_tf32(args.tf32)
-    common.init_process_group(store, rank, world_size, "nccl" if args.gpus else "gloo", args.timeout,
-                              device if args.gpus else None)
+    common.set_tf32(device, args.tf32)
+    common.init_process_group(store, rank, world_size, dist.get_default_backend_for_device(device), args.timeout,
+                              device if args.gpus else None)  # the device's backend: gloo, NCCL on CUDA, XCCL on XPU
     # The whole data set on the device, the images as floats [N, 1, 28, 28] in [0, 1] (what the tutorial's ToTensor
     # gives): a step needs no loader and no host copy, only an index.
     train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in common.load_fashion_mnist(data_folder))

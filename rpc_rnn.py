@@ -659,8 +659,7 @@ def run_worker(rank, world_size, store, args, trainer):
     # The ps takes GPU 0 of its machine; the trainer takes the second GPU of a machine it shares with the ps, if
     # there is one. Tensors sent to the ps land on its GPU and the replies come back, by the map, not .to() calls.
     device = common.pick_device(args.cuda, min(common.local_rank(rank), torch.cuda.device_count() - 1))
-    if device.type == "cuda":
-        common.set_tf32(not args.check_gradients)  # the check compares with the CPU: IEEE float32 on both sides
+    common.set_tf32(device, not args.check_gradients)  # the check compares with the CPU: IEEE float32 on both sides
     ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     common.init_rpc(store, TRAINER_NAME if rank else PS_NAME, rank, world_size, args.rpc_timeout,
                     device_maps={PS_NAME: {device: ps_device}} if args.cuda and rank else None,

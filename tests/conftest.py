@@ -31,14 +31,32 @@ def gpu_count():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpu_problem(count):
+    """Why this machine cannot run a test that needs `count` CUDA GPUs, or None: a torch built without CUDA is a
+    different reason from too few GPUs (a GPU machine with a CPU build would otherwise skip them all as "0 found")."""
+    import torch
+    if torch.version.cuda is None and torch.version.hip is None:
+        return f"torch {torch.__version__} has no CUDA (a CPU build)"
+    if gpu_count() < count:
+        return f"needs {count} CUDA GPU(s), {gpu_count()} found"
+    return None
+
+
 def needs_gpus(count):
     """Decorator for a test that needs `count` CUDA GPUs: marked `gpu` (`python -m pytest -m gpu` runs these
-    alone), and skipped, with the reason, on a machine with fewer."""
+    alone), and skipped, with the reason (gpu_problem), on a machine with fewer."""
     def mark(test):
-        found = gpu_count()
-        skip = pytest.mark.skipif(found < count, reason=f"needs {count} CUDA GPU(s), {found} found")
-        return pytest.mark.gpu(skip(test))
+        problem = gpu_problem(count)
+        return pytest.mark.gpu(pytest.mark.skipif(problem is not None, reason=str(problem))(test))
     return mark
+
+
+def pytest_sessionstart(session):
+    """The session's first line says what the gpu tests will see, -q or not: the torch build and its GPUs."""
+    import torch
+    names = [torch.cuda.get_device_name(index) for index in range(gpu_count())]
+    session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+        f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}: {len(names)} GPU(s) {names}")
 
 
 def first_visible_gpu():

@@ -31,6 +31,7 @@ from conftest import (
     assert_help_shows_every_default,
     assert_usage_error,
     data_folder,
+    first_visible_gpu,
     last_json,
     needs_gpus,
     start_script,
@@ -821,7 +822,7 @@ def test_each_trial_gets_the_gpu_fewest_running_trials_use(monkeypatch, tmp_path
         scheduled[trial_id] = config["gpu"]
         backend.trial_subprocess[trial_id] = Process()
 
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
     monkeypatch.setattr(LocalBackend, "_schedule", schedule)
     backend = async_hpo.WatchedTrials(60, entry_point=str(REPO / "async_hpo.py"))
     backend._schedule(0, {"device": "cuda"})
@@ -837,13 +838,65 @@ def test_cuda_trials_run_on_gpus(tmp_path, data_dir_args):
     """Two trials at once (on a one-GPU machine, two processes sharing it). Where each ran is what the trial
     itself reported."""
     proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "1", "--max-trials", "2", "--cuda",
-                        "--results-dir", tmp_path)
+                        "--trials-per-gpu", 2, "--results-dir", tmp_path)
     code, out, err = finish(proc, 300)
     assert code == 0, err
     result = last_json(out)
     devices = [trial["device"] for trial in result["trials"] if trial["status"] == "completed"]
     assert len(devices) == 2 and all(device.startswith("cuda:") and "GPU-" in device for device in devices), devices
     assert result["best_validation_error"] < BEST_AFTER_ONE_EPOCH, result
+
+
+def test_trials_per_gpu_is_checked_against_the_gpus_and_places_the_trials(monkeypatch, capsys, tmp_path):
+    """Locally, --n-workers trials must fit the GPUs at --trials-per-gpu (one line, exit 2, else), and the backend
+    puts each trial on the GPU the fewest running trials use, so that 4 workers on 2 GPUs at 2 per GPU share them
+    2 and 2; on Ray each trial reserves 1/N of a GPU, and a node of 1 GPU and 8 CPUs runs 4 of them at once."""
+    async_hpo = import_keeping_environment("async_hpo")
+    import torch
+
+    import common
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
+    for argv, fragment in [(["--cuda", "--n-workers", "5", "--trials-per-gpu", "2"], "--n-workers 5: more trials at "
+                            "once than the 2 GPU(s) here hold at --trials-per-gpu 2; pass --trials-per-gpu 3"),
+                           (["--trials-per-gpu", "2"], "--trials-per-gpu 2: used only with --cuda")]:
+        monkeypatch.setattr(sys, "argv", ["async_hpo.py", *argv, "--results-dir", str(tmp_path / "r")])
+        with pytest.raises(SystemExit) as exited:
+            common.run_main(async_hpo.main)
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and stderr.count("\n") == 1 and fragment in stderr, stderr
+    async_hpo.validate(async_hpo.Args(cuda=True, n_workers=4, trials_per_gpu=2))
+    assert async_hpo.cpus_per_trial([(8, 1)], 4, 1 / 4) == 2
+    assert async_hpo.cpus_per_trial([(8, 1)], 5, 1 / 4) == 0  # a fifth quarter of the one GPU does not exist
+
+    class Process:
+        def poll(self):
+            return None  # still running
+
+    from syne_tune.backend import LocalBackend
+    placed = []
+    monkeypatch.setattr(LocalBackend, "_schedule", lambda backend, trial_id, config: (
+        placed.append(config["gpu"]), backend.trial_subprocess.__setitem__(trial_id, Process())))
+    backend = async_hpo.WatchedTrials(60, entry_point=str(REPO / "async_hpo.py"))
+    for trial_id in range(4):
+        backend._schedule(trial_id, {"device": "gpu"})
+    assert sorted(placed) == [0, 0, 1, 1]
+
+
+@needs_gpus(1)
+def test_four_trials_share_one_gpu(tmp_path, data_dir_args):
+    """--trials-per-gpu 4 on one GPU: four trials at once, every one on that GPU (as each trial reported it), all
+    completed, and running together (the workers busy for most of the search)."""
+    flags = [*data_dir_args, *QUICK, "--max-epochs", "2", "--max-trials", "4", "--n-workers", "4", "--cuda",
+             "--trials-per-gpu", "4", "--results-dir", tmp_path]
+    proc = subprocess.Popen([sys.executable, REPO / "async_hpo.py", *map(str, flags)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": first_visible_gpu()})  # one GPU, even of several
+    code, out, err = finish(proc, 300)
+    assert code == 0, err
+    result = last_json(out)
+    devices = {trial["device"] for trial in result["trials"] if trial["status"] == "completed"}
+    assert result["trials_completed"] == 4 and len(devices) == 1 and "GPU-" in devices.pop(), result["trials"]
+    assert result["utilisation"] > 0.5, result  # one trial at a time would keep 4 workers busy 25 % of the time
 
 
 def test_ray_is_imported_only_for_ray_address():
