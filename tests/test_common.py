@@ -620,3 +620,20 @@ def test_listen_on_loopback_names_the_loopback_interface_for_every_backend_unles
 def test_loopback_addresses_are_told_from_others():
     assert all(common.loopback(host) for host in ("127.0.0.1", "127.0.1.1", "::1", "localhost"))
     assert not any(common.loopback(host) for host in ("192.0.2.1", "2001:db8::1", "0.0.0.0"))
+
+
+def test_tf32_is_set_on_cuda_devices_only_and_every_getter_still_reads_it(monkeypatch):
+    """On the CPU nothing changes; on a CUDA device TF32 goes on or off through the allow_tf32 flags, after which
+    torch's getters, the legacy ones and the fp32_precision ones, all read it back (setting fp32_precision instead
+    makes torch.backends.cuda.matmul.allow_tf32 raise "mix of the legacy and new APIs")."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        common.set_tf32(torch.device("cpu"), True)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == saved
+        for allowed, precision in ((True, "tf32"), (False, "ieee")):
+            common.set_tf32(torch.device("cuda", 0), allowed)  # a device object: no GPU is touched
+            assert torch.backends.cuda.matmul.allow_tf32 is allowed and torch.backends.cudnn.allow_tf32 is allowed
+            assert torch.backends.cuda.matmul.fp32_precision == precision
+            assert torch.get_float32_matmul_precision() == ("high" if allowed else "highest")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
