@@ -127,9 +127,9 @@ class Args:
     # Devices and launch
     cuda: bool = False
     """train the trials on GPUs (the accelerator torch finds): each trial on one, the one fewest running trials use"""
-    trials_per_gpu: common.Positive = 1
-    """with --cuda, trials that may share one GPU: on this machine up to N running trials per GPU, on Ray each trial
-    reserves 1/N of one"""
+    trials_per_gpu: common.Positive = 2
+    """with --cuda, trials that may share one GPU (2: the tutorial's two workers on one): on this machine up to N
+    running trials per GPU, on Ray each trial reserves 1/N of one"""
     trial_threads: Optional[common.Positive] = None
     """CPU threads per trial (on Ray, the CPUs it reserves for each); not given: this machine's cores / --n-workers (on
     Ray: the most that lets --n-workers trials run at once)"""

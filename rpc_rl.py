@@ -97,8 +97,8 @@ class Args:
     pin_cpus: bool = True
     """bind each process to a CPU of its own when this machine has one for each"""
     rpc_timeout: Seconds = 20.0
-    """an RPC to a silent process fails after this long (it also bounds an episode); a process stopped for half
-    of it ends the run"""
+    """an RPC to a silent (stopped, hung) process fails after this long and ends the run; it also bounds an
+    episode"""
     oversubscribe: bool = False
     """start more than 4 processes per CPU"""
 

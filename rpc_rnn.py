@@ -108,8 +108,8 @@ class Args:
     cuda: bool = False
     """embedding and decoder on the ps's GPU, the LSTM on the trainer's; RPC device maps move the tensors"""
     rpc_timeout: Seconds = 60.0
-    """an RPC to a peer that is stuck fails after this long and ends the run (a dead peer is noticed at once); a
-    spawned process stopped for half of it is named"""
+    """an RPC to a peer that is stuck or stopped fails after this long and ends the run (a dead peer is noticed
+    at once)"""
     # Beyond the tutorial
     ship_logits: bool = False
     """the tutorial's path: the ps sends the decoder's logits back and the trainer computes the loss (otherwise the
@@ -123,7 +123,7 @@ def validate(args):
     """The rules that involve several flags, the machine or the launcher's variables (each flag's own rule is its
     type in Args), checked before any data is read: each broken rule is one line and exit status 2."""
     check(0 <= args.dropout < 1, f"--dropout {args.dropout}: not from 0 up to, not including, 1")
-    check(not args.cuda or torch.cuda.device_count() > 0, "--cuda given but no CUDA GPU found; run without --cuda")
+    check(not args.cuda or torch.accelerator.device_count() > 0, "--cuda given but no GPU found; run without --cuda")
     check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
           "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")
     check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (the two sides draw "
@@ -658,7 +658,7 @@ def run_worker(rank, world_size, store, args, trainer):
     logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
     # The ps takes GPU 0 of its machine; the trainer takes the second GPU of a machine it shares with the ps, if
     # there is one. Tensors sent to the ps land on its GPU and the replies come back, by the map, not .to() calls.
-    device = common.pick_device(args.cuda, min(common.local_rank(rank), torch.cuda.device_count() - 1))
+    device = common.pick_device(args.cuda, min(common.local_rank(rank), torch.accelerator.device_count() - 1))
     common.set_tf32(device, not args.check_gradients)  # the check compares with the CPU: IEEE float32 on both sides
     ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     common.init_rpc(store, TRAINER_NAME if rank else PS_NAME, rank, world_size, args.rpc_timeout,

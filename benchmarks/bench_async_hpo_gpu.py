@@ -69,7 +69,7 @@ def main():
                          "best_validation_error": result["best_validation_error"],
                          "worker_utilisation": result["utilisation"],
                          "gpu_utilisation": statistics.mean(samples) / 100 if samples else None,
-                         "gpus": sorted({trial.get("device") for trial in result["trials"]})})
+                         "gpus": sorted({trial["device"] for trial in result["trials"] if trial.get("device")})})
             row = rows[-1]
             print(f"{workers:>3} workers | {row['trials_completed']} completed of {row['trials_started']} started | "
                   f"best val err {row['best_validation_error']:.4f} | workers {row['worker_utilisation']:.0%} busy | "

@@ -123,7 +123,7 @@ def tutorial_train(data, args, device):
 
 
 def multi_gpu_run(args, folder):
-    proc = subprocess.run([sys.executable, str(REPO / "multi_gpu.py"), "--gpus", str(int(args.gpu)), "--procs", "1",
+    proc = subprocess.run([sys.executable, str(REPO / "multi_gpu.py"), "--gpus", str(int(args.gpu)),
                            "--epochs", str(args.epochs),
                            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed", str(args.seed),
                            "--data-dir", str(folder)], capture_output=True, text=True, timeout=1800, cwd=REPO)

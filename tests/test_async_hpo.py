@@ -507,7 +507,7 @@ def test_no_cuda_device_is_one_line_exit_2(monkeypatch, capsys, tmp_path):
     import torch
 
     import common
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
     monkeypatch.setattr(sys, "argv", ["async_hpo.py", "--cuda", "--results-dir", str(tmp_path / "results")])
     with pytest.raises(SystemExit) as exit_info:
         common.run_main(async_hpo.main)
@@ -835,10 +835,10 @@ def test_each_trial_gets_the_gpu_fewest_running_trials_use(monkeypatch, tmp_path
 
 @needs_gpus(1)
 def test_cuda_trials_run_on_gpus(tmp_path, data_dir_args):
-    """Two trials at once (on a one-GPU machine, two processes sharing it). Where each ran is what the trial
-    itself reported."""
+    """Two trials at once, by default (on a one-GPU machine, two processes sharing it, the default --trials-per-gpu).
+    Where each ran is what the trial itself reported."""
     proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "1", "--max-trials", "2", "--cuda",
-                        "--trials-per-gpu", 2, "--results-dir", tmp_path)
+                        "--results-dir", tmp_path)
     code, out, err = finish(proc, 300)
     assert code == 0, err
     result = last_json(out)
@@ -858,7 +858,7 @@ def test_trials_per_gpu_is_checked_against_the_gpus_and_places_the_trials(monkey
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
     for argv, fragment in [(["--cuda", "--n-workers", "5", "--trials-per-gpu", "2"], "--n-workers 5: more trials at "
                             "once than the 2 GPU(s) here hold at --trials-per-gpu 2; pass --trials-per-gpu 3"),
-                           (["--trials-per-gpu", "2"], "--trials-per-gpu 2: used only with --cuda")]:
+                           (["--trials-per-gpu", "3"], "--trials-per-gpu 3: used only with --cuda")]:
         monkeypatch.setattr(sys, "argv", ["async_hpo.py", *argv, "--results-dir", str(tmp_path / "r")])
         with pytest.raises(SystemExit) as exited:
             common.run_main(async_hpo.main)

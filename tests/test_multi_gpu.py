@@ -369,7 +369,7 @@ def test_torchrun_with_one_gpu_for_two_processes_is_refused_before_any_rendezvou
         monkeypatch.setenv(name, value)
     if visible:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
     monkeypatch.setattr(common, "fashion_mnist_dir", lambda *_: pytest.fail("the data read despite bad input"))
     for gpus in (["--gpus", "2"], []):
         monkeypatch.setattr(sys, "argv", ["multi_gpu.py", *gpus])
@@ -378,7 +378,7 @@ def test_torchrun_with_one_gpu_for_two_processes_is_refused_before_any_rendezvou
         stderr = capsys.readouterr().err
         assert exited.value.code == 2 and len(stderr.strip().splitlines()) == 1, stderr
         assert "shows 1 GPUs, and NCCL needs one per process; start 1 processes, or pass --gpus 0" in stderr
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 4)
     args = multi_gpu.Args()
     multi_gpu.validate(args)
     assert args.gpus == 2
@@ -447,7 +447,7 @@ LONG = "x" * 300  # longer than a file name may be (255 bytes on Linux file syst
 # Permission bits do not stop root: these cases run main() in a process of its own, in a user namespace where they
 # do (conftest.unprivileged).
 NEEDS_PERMISSIONS = {"checkpoint unreadable", "checkpoint dir read-only"}
-# Cases on a machine faked to show this many GPUs (torch.cuda.device_count), run without the tests' --gpus 0.
+# Cases on a machine faked to show this many GPUs (torch.accelerator.device_count), run without the tests' --gpus 0.
 FAKE_GPUS = {"procs with --gpus 1 on a GPU machine (new)": 1, "procs without --gpus on a GPU machine (new)": 2}
 # name: (flags, fragments of the one line, what to set up in tmp_path first, launcher variables set by hand).
 # The cases marked "new" are the classes of issue 18: paths the file system refuses, empty values, launcher
@@ -640,7 +640,7 @@ def test_bad_input_is_one_line_exit_2_before_any_work(case, tmp_path, monkeypatc
     else:
         monkeypatch.setattr(sys, "argv", ["multi_gpu.py", *given])
         if case in FAKE_GPUS:
-            monkeypatch.setattr(torch.cuda, "device_count", lambda: FAKE_GPUS[case])
+            monkeypatch.setattr(torch.accelerator, "device_count", lambda: FAKE_GPUS[case])
         for name in ("fashion_mnist_dir", "load_fashion_mnist"):
             monkeypatch.setattr(common, name, lambda *_, name=name, **__: pytest.fail(f"{name} despite bad input"))
         monkeypatch.setattr(torch.multiprocessing, "spawn", lambda *_, **__: pytest.fail("spawned despite bad input"))
