@@ -213,9 +213,8 @@ def train(model, data, args, history, learning_rate):
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
         batches = order.to(images.device).split(args.batch_size)
         totals = torch.zeros(2, device=images.device)
-        for i, batch in enumerate(batches):
-            totals += train_batch(images[batch], labels[batch], model, learning_rate(args, epoch * len(batches) + i,
-                                                                                       len(batches)))
+        for step, batch in enumerate(batches, epoch * len(batches)):  # steps counted from the run's first epoch
+            totals += train_batch(images[batch], labels[batch], model, learning_rate(args, step, len(batches)))
         dist.all_reduce(totals)
         loss, train_acc = (totals / len(images)).tolist()  # waits for the epoch's last step
         seconds = time.perf_counter() - started
@@ -457,8 +456,7 @@ def run_worker(rank, world_size, store, args, data_folder, saved):
     for record in train(model, data, args, history, learning_rate):
         seconds.append(record["seconds"])
         if rank == 0 and args.checkpoint_dir:  # atomically: a failed write keeps the previous checkpoint
-            state = {"epoch": len(history), "params": model.flat_params.cpu(), "history": history,
-                     "recipe": recipe(args)}
+            state = dict(epoch=len(history), params=model.flat_params.cpu(), history=history, recipe=recipe(args))
             common.save_checkpoint(Path(args.checkpoint_dir, CHECKPOINT), "multi_gpu", state, "--checkpoint-dir")
     # s_per_epoch: the median epoch this run trained (the first includes warm-up); null when it trained none.
     median = sorted(seconds)[len(seconds) // 2] if seconds else None
@@ -482,9 +480,8 @@ def main(argv=None):
         return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, data_folder, saved)
     world_size = args.gpus or args.procs
     with common.rendezvous(world_size) as store:
-        processes = mp.spawn(run_worker, args=(world_size, store, args, data_folder, saved), nprocs=world_size,
-                             join=False)
-        common.join(processes)
+        common.join(mp.spawn(run_worker, args=(world_size, store, args, data_folder, saved), nprocs=world_size,
+                             join=False))
 
 
 if __name__ == "__main__":
