@@ -225,7 +225,8 @@ class Agent:
             returns.extend(self.discounted_returns(ob_id))
         # use the minimum observer reward to calculate the running reward
         self.episode_rewards.append([sum(rewards) for rewards in self.rewards.values()])
-        min_reward = self.update_running_reward(self.episode_rewards[-1])
+        min_reward = min(self.episode_rewards[-1])
+        self.update_running_reward(self.episode_rewards[-1])
         # clear saved probs and rewards
         for ob_id in self.rewards:
             self.rewards[ob_id] = []
@@ -249,10 +250,8 @@ class Agent:
 
     def update_running_reward(self, episode_rewards):
         """The tutorial's running reward, 0.05 * the smallest episode reward + 0.95 * the previous one; "solved"
-        once it passes CartPole-v1's threshold, 475. Returns that smallest episode reward."""
-        min_reward = min(episode_rewards)
-        self.running_reward = 0.05 * min_reward + (1 - 0.05) * self.running_reward
-        return min_reward
+        once it passes CartPole-v1's threshold, 475."""
+        self.running_reward = 0.05 * min(episode_rewards) + (1 - 0.05) * self.running_reward
 
     def report(self, solved, wall_time, steps, **figures):
         """The run's last line, one JSON object: times cover this process's training loop, counts the whole run."""
@@ -450,7 +449,6 @@ class BatchAgent(Agent):
         each round enters the running reward as the tutorial's episode does, so "solved" asks as much whatever K."""
         for index in range(self.args.envs_per_observer):
             super().update_running_reward(episode_rewards[index::self.args.envs_per_observer])
-        return min(episode_rewards)
 
     def report(self, solved, wall_time, steps):
         """--save, then the greedy evaluation: --eval-episodes episodes with the most probable action and no dropout,
@@ -510,9 +508,8 @@ def main(argv=None):
     if torchrun:  # started by torchrun (RANK set): this process's part
         return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, agent_class, saved)
     with common.rendezvous(args.world_size) as store:
-        processes = mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved),
-                             nprocs=args.world_size, join=False)
-        common.join(processes)
+        common.join(mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved),
+                             nprocs=args.world_size, join=False))
 
 
 if __name__ == "__main__":
