@@ -682,8 +682,7 @@ def main(argv=None):
     if torchrun := common.torchrun_env():  # started by torchrun (RANK set): this process's part
         return run_worker(torchrun["RANK"], 2, "env://", args, trainer)
     with common.rendezvous(2) as store:
-        processes = mp.spawn(run_worker, args=(2, store, args, trainer), nprocs=2, join=False)
-        common.join(processes)
+        common.join(mp.spawn(run_worker, args=(2, store, args, trainer), nprocs=2, join=False))
 
 
 if __name__ == "__main__":
