@@ -658,17 +658,13 @@ def fetch_dataset(data_dir, subdir, files, mirrors, checksum=md5):
     return candidates[0]
 
 
-FASHION_MNIST_MIRRORS = [
-    "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
-    "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/",
-]
+FASHION_MNIST_MIRRORS = ["http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+                         "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/"]
 # md5 of the decompressed IDX files, as published with the data set
-FASHION_MNIST_FILES = {
-    "train-images-idx3-ubyte.gz": "f4a8712d7a061bf5bd6d2ca38dc4d50a",
-    "train-labels-idx1-ubyte.gz": "9018921c3c673c538a1fc5bad174d6f9",
-    "t10k-images-idx3-ubyte.gz": "8181f5470baa50b63fa0f6fddb340f0a",
-    "t10k-labels-idx1-ubyte.gz": "15d484375f8d13e6eb1aabb0c3f46965",
-}
+FASHION_MNIST_FILES = {"train-images-idx3-ubyte.gz": "f4a8712d7a061bf5bd6d2ca38dc4d50a",
+                       "train-labels-idx1-ubyte.gz": "9018921c3c673c538a1fc5bad174d6f9",
+                       "t10k-images-idx3-ubyte.gz": "8181f5470baa50b63fa0f6fddb340f0a",
+                       "t10k-labels-idx1-ubyte.gz": "15d484375f8d13e6eb1aabb0c3f46965"}
 FASHION_MNIST_TRAIN = 60_000  # images in the training split
 
 
