@@ -246,7 +246,8 @@ INITIAL_CONFIG = {"learning_rate": 0.1, "batch_size": 128}  # the tutorial's fir
 
 def random_search(args, config_space, initial_config=INITIAL_CONFIG):
     """The tutorial's scheduler: a random configuration for every free worker, the tutorial's one first."""
-    return RandomSearch(config_space, metrics=[METRIC], points_to_evaluate=[initial_config], random_seed=args.seed)
+    return RandomSearch(config_space, metrics=[METRIC], do_minimize=True, points_to_evaluate=[initial_config],
+                        random_seed=args.seed)
 
 
 def tune(args, scheduler, tuner_name, callbacks=None, backend=LocalBackend, entry_point=__file__):
@@ -335,14 +336,14 @@ def make_scheduler(args, config_space):
     first = MLP_INITIAL_CONFIG if args.model == "mlp" else INITIAL_CONFIG
     if args.scheduler == "random":
         return random_search(args, config_space, first)
-    options = dict(metric=METRIC, random_seed=args.seed, points_to_evaluate=[first])
+    options = dict(metric=METRIC, do_minimize=True, random_seed=args.seed, points_to_evaluate=[first])
     if args.scheduler == "bo":  # tree-structured Parzen estimator: needs nothing beyond Syne Tune
         return TPE(config_space, **options)
     if args.scheduler == "gp":  # expected improvement on a GP fitted to the finished trials (botorch)
         return BOTorch(config_space, **options)
     if args.scheduler == "asha":
         return ASHA(config_space, time_attr=RESOURCE, max_t=args.max_epochs, **options)
-    return SingleObjectiveScheduler(config_space, metric=METRIC, random_seed=args.seed,
+    return SingleObjectiveScheduler(config_space, metric=METRIC, do_minimize=True, random_seed=args.seed,
                                     searcher=LocalSearcher(config_space, [first], random_seed=args.seed))
 
 
