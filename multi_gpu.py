@@ -213,14 +213,14 @@ def train(model, data, args, history, learning_rate):
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
         batches = order.to(images.device).split(args.batch_size)
         totals = torch.zeros(2, device=images.device)
-        for step, batch in enumerate(batches, epoch * len(batches)):  # steps counted from the run's first epoch
-            totals += train_batch(images[batch], labels[batch], model, learning_rate(args, step, len(batches)))
+        for i, batch in enumerate(batches):
+            totals += train_batch(images[batch], labels[batch], model, learning_rate(args, epoch * len(batches) + i,
+                                                                                       len(batches)))
         dist.all_reduce(totals)
         loss, train_acc = (totals / len(images)).tolist()  # waits for the epoch's last step
         seconds = time.perf_counter() - started
         test_acc = evaluate_accuracy(model, test_images, test_labels)
-        history.append({"epoch": epoch + 1, "loss": loss, "train_acc": train_acc, "test_acc": test_acc,
-                        "seconds": seconds})
+        history.append(dict(epoch=epoch + 1, loss=loss, train_acc=train_acc, test_acc=test_acc, seconds=seconds))
         if model.rank == 0:
             print(f"epoch {epoch + 1} | loss {loss:.3f} | train acc {train_acc:.3f} | test acc {test_acc:.3f} | "
                   f"{seconds:.2f} s/epoch | {len(images) / seconds / 1000:.1f}k samples/s", flush=True)
