@@ -28,6 +28,7 @@ from conftest import (
     flags,
     free_port,
     gpu_count,
+    gpu_problem,
     kill_all,
     last_json,
     needs_gpus,
@@ -1015,7 +1016,7 @@ def test_one_gpu_trains_on_the_full_training_set():
 
 
 @pytest.mark.skipif(gpu_count() != 1 or "CUDA_VISIBLE_DEVICES" in os.environ,
-                    reason="needs exactly one GPU, visible to every process")
+                    reason=gpu_problem(1) or "needs exactly one GPU, visible to every process")
 @pytest.mark.gpu
 def test_two_processes_are_not_put_on_one_gpu():
     """NCCL refuses two ranks on one GPU; under torchrun that is a one-line error before any rendezvous."""
