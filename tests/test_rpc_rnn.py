@@ -5,6 +5,7 @@ restarted after kills compute the losses of one uninterrupted run, bad input is 
 is read or written, and failures (a dead, stopped or orphaned process, a full disk) end the run promptly with nothing
 left running."""
 
+import contextlib
 import io
 import math
 import os
@@ -434,9 +435,11 @@ def trainer_of(agent):
 
 
 def test_torchrun_restarts_after_killed_trainers_end_with_the_uninterrupted_losses(trained, text_dir, tmp_path):
-    """torchrun --max-restarts: the trainer is killed twice in the middle of epoch 2; each time the group restarts,
-    resumes from the checkpoint written after epoch 1, and the run ends with the losses of the uninterrupted one
-    (with dropout: the masks of a resumed epoch are those of the uninterrupted run)."""
+    """torchrun --max-restarts: the trainer is killed in the middle of epoch 2, and again once the resumed epoch 2
+    trains; each time the group restarts, resumes from the last checkpoint, and the run ends with the losses of the
+    uninterrupted one (with dropout: the masks of a resumed epoch are those of the uninterrupted run). The test reads
+    the output while the run goes on, so on a loaded machine a kill can land after epoch 2's checkpoint: the group
+    then resumes past the last epoch and trains nothing, and there is no second kill."""
     agent = subprocess.Popen(torchrun_command("--standalone", "--nproc-per-node", 2, "--max-restarts", 3,
                                               "--monitor-interval", 0.1, "rpc_rnn.py", "--data-dir", text_dir, *TRAIN,
                                               "--checkpoint-dir", tmp_path, "--resume"),
@@ -444,22 +447,29 @@ def test_torchrun_restarts_after_killed_trainers_end_with_the_uninterrupted_loss
     try:
         wait_for_line(agent, "epoch 2 | batch 10/20", timeout=120)
         trainer_of(agent).kill()
-        first_resume = wait_for_line(agent, "resuming at", timeout=120)
-        wait_for_line(agent, "ms/batch", timeout=120)
-        trainer_of(agent).kill()
-        second_resume = wait_for_line(agent, "resuming at", timeout=120)
+        resumes = [wait_for_line(agent, "resuming at", timeout=120)]
+        if resumed_epoch(resumes[0]) == 2:
+            wait_for_line(agent, "ms/batch", timeout=120)
+            killed = False
+            with contextlib.suppress(AssertionError, psutil.NoSuchProcess):  # unless the trainer has just ended
+                trainer_of(agent).kill()
+                killed = True
+            if killed:
+                resumes.append(wait_for_line(agent, "resuming at", timeout=120))
         rest, stderr = agent.communicate(timeout=180)
     finally:
         kill_all(agent)
     assert agent.returncode == 0, stderr[-3000:]
-    # Each restarted group resumed from a checkpoint (epoch 1's, unless epoch 2 ended before a kill landed):
-    # progress was kept, not started again.
-    first, second = (int(re.search(r"resuming at epoch (\d+) from", line)[1]) for line in (first_resume,
-                                                                                          second_resume))
-    assert 2 <= first <= second, (first_resume, second_resume)
+    # each restarted group resumed from a checkpoint (epoch 1's, or epoch 2's): progress was kept, not started again
+    assert all(2 <= resumed_epoch(line) <= 3 for line in resumes), resumes
     result = last_json(rest)
     assert result["losses"] == trained["result"]["losses"]
     assert result["test_loss"] == trained["result"]["test_loss"]
+
+
+def resumed_epoch(line):
+    """The epoch in rpc_rnn's `resuming at epoch E from PATH` line."""
+    return int(re.search(r"resuming at epoch (\d+) from", line)[1])
 
 
 # --- Bad input: one line, exit status 2, before the data are read, any process starts or anything is written ---
