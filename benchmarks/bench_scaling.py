@@ -496,11 +496,19 @@ def fit_model(points):
     def latency_and_rate(name, messages=1):
         """The line through the time of the smallest size (whose few bytes cost next to nothing) that fits the other
         sizes best. Not the best line through all: on loopback a byte costs more once the buffers leave the caches,
-        and that line can pass below zero at the smallest size."""
+        and that line can pass below zero at the smallest size. Where no positive rate fits, larger sizes were
+        measured so much faster than the smallest that its time was disturbed (other work took its cores in every
+        round): the line then passes through the fastest time of the series."""
         smallest, *others = sorted(series(name), key=lambda point: point["bytes"])
+
+        def rate_through(fixed):
+            return fit([[point["bytes"] - smallest["bytes"] for point in others]],
+                       [point["seconds"] / messages for point in others], fixed)[0]
         fixed = smallest["seconds"] / messages
-        rate = fit([[point["bytes"] - smallest["bytes"] for point in others]],
-                   [point["seconds"] / messages for point in others], fixed)[0]
+        rate = rate_through(fixed)
+        if rate == 0:
+            fixed = min(point["seconds"] for point in others + [smallest]) / messages
+            rate = rate_through(fixed)
         return fixed - smallest["bytes"] * rate, rate
 
     c = {}
