@@ -214,7 +214,8 @@ def cases(table):
 
 MULTI_GPU = ["--gpus", 0, "--procs", 2, "--batch-size", 64, "--limit-train", 512]  # seconds an epoch, on 2 cores
 RNN = ["--emsize", 16, "--nhid", 16, "--batch-size", 4, "--bptt", 8]
-NON_ASCII = "café naïve Zürich 東京 Ελλάδα straße piñata façade smörgåsbord jalapeño crème brûlée Москва 日本語".split()
+NON_ASCII = ("café naïve Zürich 東京 Ελλάδα straße piñata façade "
+             "smörgåsbord jalapeño crème brûlée Москва 日本語").split()
 
 
 @pytest.fixture(scope="module")
