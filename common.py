@@ -398,9 +398,11 @@ def rendezvous(world_size):
 def join(processes):
     """Wait for the processes of mp.spawn(..., join=False), as its join=True does, once they have all started: Ctrl-C,
     ignored while they started (rendezvous), interrupts the launcher again (run_main reports it, and rendezvous stops
-    the processes that are still starting), as it ends each process that runs its worker."""
+    the processes that are still starting), as it ends each process that runs its worker. When one fails, the others
+    end at once: a grace period of 0 instead of mp.spawn's 30 s, which only a stopped process (SIGSTOP, deaf to
+    SIGTERM) would use, since the workers do not catch SIGTERM."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    while not processes.join():
+    while not processes.join(grace_period=0):
         pass
 
 

@@ -358,7 +358,7 @@ RAISING_WORKER = textwrap.dedent("""
 
     if __name__ == "__main__":
         with common.rendezvous(2) as store:
-            common.run_main(lambda: mp.spawn(run_worker, args=(2, store), nprocs=2, join=True))
+            common.run_main(lambda: common.join(mp.spawn(run_worker, args=(2, store), nprocs=2, join=False)))
 """)
 
 
@@ -377,8 +377,8 @@ def test_a_process_that_raises_ends_the_run_with_its_traceback(tmp_path):
         kill_all(proc)
     assert proc.returncode == 1, stderr
     # mp.spawn sees process 1 exit at once and stops process 0 (blocked in the barrier, whose default timeout is 30
-    # minutes) with SIGTERM, which it does not catch: well under a second here. A process 0 that held out would be
-    # killed after mp.spawn's 30 s of grace; 10 s is a third of that and leaves a loaded machine room for two exits.
+    # minutes): well under a second here. A process 0 left running would hold the run for those 30 minutes; 10 s
+    # leaves a loaded machine room for two exits.
     assert ended_after < 10, ended_after
     assert stderr.startswith("-- Process 1 terminated with the following error:\nTraceback"), stderr
     assert stderr.count("Traceback") == 1, stderr  # process 0's broken connection is not news
@@ -403,7 +403,7 @@ SLEEPING_WORKERS = textwrap.dedent("""
 
     if __name__ == "__main__":
         with common.rendezvous(2) as store:
-            common.run_main(lambda: mp.spawn(run_worker, args=(2, store), nprocs=2, join=True))
+            common.run_main(lambda: common.join(mp.spawn(run_worker, args=(2, store), nprocs=2, join=False)))
 """)
 
 
@@ -423,17 +423,17 @@ def sleeping_run(tmp_path):
 
 
 def test_a_stopped_process_ends_the_run_when_its_peer_times_out(sleeping_run):
-    """SIGSTOP on process 1: process 0's barrier times out after 3 s and it says so in one line; mp.spawn stops the
-    others, and the stopped one, deaf to SIGTERM, is killed after mp.spawn's 30 s of grace."""
+    """SIGSTOP on process 1: process 0's barrier times out after 3 s and it says so in one line; common.join has
+    mp.spawn stop the others at once, the stopped one, deaf to SIGTERM, with SIGKILL."""
     proc, workers = sleeping_run
     stopped_at = time.monotonic()
     workers[1].send_signal(signal.SIGSTOP)
     proc.wait(timeout=60)
-    # The mechanism: the barrier's 3 s timeout, the 1 s that a spawned process waits before it says it lost a peer
-    # (common.worker), then mp.spawn's 30 s of grace before SIGKILL. Process 0's barrier may have started up to one
-    # 10 ms step before the stop (hence 0.1 s below); what follows the timer (one line, two exits, the launcher's)
-    # takes well under a second, and 4 s above leaves room for a machine loaded by other tests.
-    assert 3 + 1 + 30 - 0.1 <= time.monotonic() - stopped_at < 3 + 1 + 30 + 4
+    # The mechanism: the barrier's 3 s timeout, then the 1 s that a spawned process waits before it says it lost a
+    # peer (common.worker); no grace after it (mp.spawn's own would add 30 s). Process 0's barrier may have started up
+    # to one 10 ms step before the stop (hence 0.1 s below); what follows the timer (one line, two exits, the
+    # launcher's) takes well under a second, and 4 s above leaves room for a machine loaded by other tests.
+    assert 3 + 1 - 0.1 <= time.monotonic() - stopped_at < 3 + 1 + 4
     stderr = proc.stderr.read()
     assert proc.returncode == 1
     assert re.fullmatch(r"process 0 lost a peer \(.*[Tt]imed out.*\); the run ends, or under torchrun restarts if "

@@ -787,8 +787,8 @@ def test_killed_worker_ends_the_run_and_leaves_no_orphans_and_sockets_are_loopba
     assert stderr.splitlines() == ["multi_gpu.py: error: process 1 terminated with signal SIGKILL; the other processes "
                                    "were stopped"], stderr
     # mp.spawn sees the death at once and stops process 0 with SIGTERM, which it does not catch: about a second here.
-    # A survivor that held out would be killed after mp.spawn's 30 s of grace, or fail at --timeout (60 s); 10 s
-    # stays a third below the first and leaves a loaded 2-core machine room for three interpreters' exits.
+    # A survivor left running would fail only at --timeout (60 s); 10 s leaves a loaded 2-core machine room for
+    # three interpreters' exits.
     assert ended_after < 10, ended_after
     assert_all_ended(started, timeout=1)  # joined by mp.spawn before the launcher exited; its helper follows at once
     assert_same_checkpoint(load_saved(checkpoint), recorded)

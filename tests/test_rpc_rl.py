@@ -362,8 +362,9 @@ def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_different
 
 # How long after a kill (or a failed write) the launcher must have ended: mp.spawn's join wakes as soon as a process
 # dies, SIGTERMs the others, which have no handler for it and die at once, and the launcher prints its line (0.7 to
-# 1.2 s measured here with 4 test runs sharing the 2 cores). A process that outlived the SIGTERM would be SIGKILLed
-# only after mp.spawn's 30 s grace; 10 s stays well below that and leaves 8 times the measured time for load.
+# 1.2 s measured here with 4 test runs sharing the 2 cores); one that outlived the SIGTERM gets SIGKILL at once
+# (common.join: no grace). A process left running would hold the run for its timeout; 10 s leaves 8 times the
+# measured time for load.
 ENDS_WITHIN_S = 10
 CHECKPOINT_EVERY = 10  # episodes between checkpoints in the kill test: a few seconds to the first
 
@@ -720,7 +721,7 @@ def test_a_resumable_checkpoint_passes_the_checks_and_is_read_once(bad_files, mo
 
     def spawn(run_worker, args, nprocs, join):
         launched.append((run_worker, nprocs, args[2], args[3], args[4]))
-        return types.SimpleNamespace(join=lambda: True)  # mp.spawn(..., join=False)'s context, its processes done
+        return types.SimpleNamespace(join=lambda **_: True)  # mp.spawn(..., join=False)'s context, its processes done
 
     monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
     load = common.load_checkpoint

@@ -294,8 +294,9 @@ def test_help_says_what_not_given_means_and_names_only_what_a_copy_has(capsys):
 
 # How long after a kill (or a failed write) the launcher must have ended: mp.spawn's join wakes as soon as a process
 # dies, SIGTERMs the other, which has no handler for it and dies at once, and the launcher prints its line (1.2 to
-# 1.9 s measured here with 4 test runs sharing the 2 cores). A process that outlived the SIGTERM would be SIGKILLed
-# only after mp.spawn's 30 s grace; 10 s stays well below that and leaves 5 times the measured time for load.
+# 1.9 s measured here with 4 test runs sharing the 2 cores); one that outlived the SIGTERM gets SIGKILL at once
+# (common.join: no grace). A process left running would hold the run for its timeout; 10 s leaves 5 times the
+# measured time for load.
 ENDS_WITHIN_S = 10
 EPOCH_BATCHES = 8  # --max-batches of the kill test: epochs of well under a second
 
