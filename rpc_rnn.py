@@ -36,7 +36,6 @@ import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -78,29 +77,29 @@ class Args:
     """training batch size (parallel text streams)"""
     bptt: Positive = 35
     """sequence length of one training window (backpropagation through time)"""
-    max_batches: Optional[Positive] = None
+    max_batches: Positive | None = None
     """train only the first N batches of each epoch; not given: all (2 under --check-gradients)"""
     seed: Seed = 1111
     """random seed: the same seed gives the same weights in the distributed and the one-process model"""
     log_interval: Positive = 200
     """training batches between two log lines"""
     # Data
-    data_dir: Optional[DataDir] = None
+    data_dir: DataDir | None = None
     """folder with train.txt, valid.txt and test.txt (or a wikitext-2 folder holding them), any text in that format;
     not given: WikiText-2, downloaded into the per-user cache on first use"""
     # Output and checkpoints
-    save: Optional[OutFile] = None
+    save: OutFile | None = None
     """write the model with the best valid loss to this file, for --generate or for one process; not given: not saved"""
-    checkpoint_dir: Optional[OutDir] = None
+    checkpoint_dir: OutDir | None = None
     """write a checkpoint of the whole run (both processes) to rpc_rnn.pt in this folder after every epoch;
     not given: no checkpoints"""
     resume: bool = False
     """continue from the checkpoint in --checkpoint-dir, if there is one (else start from the beginning): from the
     start of the epoch after the last one it holds, exactly as if the run had never stopped"""
     # Sampling from a saved model
-    generate: Optional[Positive] = None
+    generate: Positive | None = None
     """sample N words from the --load file in this process, then exit; not given: train"""
-    load: Optional[InFile] = None
+    load: InFile | None = None
     """the file --generate samples from: written by --save, or a --checkpoint-dir checkpoint"""
     temperature: PositiveFloat = 1.0
     """sampling temperature for --generate (lower: more conservative text)"""
@@ -126,8 +125,7 @@ def validate(args):
     check(not args.cuda or torch.accelerator.device_count() > 0, "--cuda given but no GPU found; run without --cuda")
     check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
           "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")
-    check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (the two sides draw "
-          "other dropout masks)")
+    check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (dropout masks differ)")
     check(args.checkpoint_dir or not args.resume, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
                                         "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
@@ -337,23 +335,6 @@ def wikitext2_dir(data_dir=None, mirrors=WIKITEXT2_MIRRORS):
     return common.fetch_dataset(data_dir, "wikitext-2", WIKITEXT2_FILES, mirrors)
 
 
-def check_corpus(args, corpus, saved):
-    """Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must
-    have been written for this text; this machine must hold the model and a window's logits (each weight four
-    times: itself, its gradient, the best and the checkpointed copy; each logit three: itself, its softmax and its
-    gradient)."""
-    for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):
-        tokens = getattr(corpus, split).numel()
-        check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {size} streams of 2 words or more; "
-                                   f"pass more text" + (" or a smaller --batch-size" if split == "train" else ""))
-    check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
-          f"(its vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
-    ntoken, window = len(corpus.words), min(args.bptt, corpus.train.numel() // args.batch_size)
-    weights = ntoken * (args.emsize + args.nhid + 1) + 4 * args.nhid * (args.emsize + args.nhid + 2) * args.nlayers
-    common.check_memory("the model and a window's logits", 4 * (4 * weights + 3 * window * args.batch_size * ntoken),
-                        SIZES)
-
-
 def batchify(data, batch_size, device):
     """[tokens] -> [tokens // batch_size, batch_size]: column j is the j-th slice of the text, read top down."""
     return data[:data.size(0) // batch_size * batch_size].view(batch_size, -1).t().contiguous().to(device)
@@ -392,28 +373,24 @@ def run_on(piece, function, *args):
 
 
 def on_pieces(model, function, *args):
-    return {name: run_on(piece, function, *args) for name, piece in pieces(model).items()}
+    """function(piece, *args), run where each piece lives (run_on); what it returns, {name: tensor} or None, merged
+    under LocalRNNModel's names."""
+    return {f"{name}.{key}": tensor for name, piece in pieces(model).items()
+            for key, tensor in (run_on(piece, function, *args) or {}).items()}
 
 
-def gathered(model, function, *args):
-    """function(piece, *args) -> {name: tensor}, run where each piece lives, merged under LocalRNNModel's names."""
-    return {f"{piece}.{name}": tensor for piece, tensors in on_pieces(model, function, *args).items()
-            for name, tensor in tensors.items()}
-
-
-def grad_norms(module, context_id):
-    """The norm of each of the module's gradients in the context, on the CPU, by name."""
-    grads = dist_autograd.get_gradients(context_id)
-    return {name: torch.linalg.vector_norm(grads[param]).cpu() for name, param in module.named_parameters()}
-
-
-def clip_grads(module, context_id, max_norm, total_norm):
-    """Scale the module's gradients in the context in place, and leave each parameter's .grad pointing at its clipped
-    gradient. get_gradients hands out the context's own tensors, the ones DistributedOptimizer.step reads: scaling
-    them is what makes the clipping reach the step."""
+def context_grads(module, context_id):
+    """Make the module's gradients in the context its parameters' .grad, and return the norm of each, on the CPU, by
+    name. get_gradients hands out the context's own tensors, the ones DistributedOptimizer.step reads: scaling them
+    in place (clip_grads) is what makes the clipping reach the step."""
     grads = dist_autograd.get_gradients(context_id)
     for param in module.parameters():
         param.grad = grads[param]
+    return {name: torch.linalg.vector_norm(param.grad).cpu() for name, param in module.named_parameters()}
+
+
+def clip_grads(module, max_norm, total_norm):
+    """Scale the module's gradients (context_grads made them the context's) in place, as clip_grad_norm_ does."""
     nn.utils.clip_grads_with_norm_(module.parameters(), max_norm, total_norm)
 
 
@@ -431,8 +408,8 @@ class ClippedOptimizer(DistributedOptimizer):
         piece's owner returns the norm of each of its gradients; the trainer takes the norm of these norms in the
         parameters' order (get_total_norm, as clip_grad_norm_ does) and keeps it in `norms`; each owner scales its
         gradients in place by torch's clip_grads_with_norm_. Then the step."""
-        total_norm = nn.utils.get_total_norm(gathered(self.model, grad_norms, context_id).values())
-        on_pieces(self.model, clip_grads, context_id, self.max_norm, total_norm)
+        total_norm = nn.utils.get_total_norm(on_pieces(self.model, context_grads, context_id).values())
+        on_pieces(self.model, clip_grads, self.max_norm, total_norm)
         self.norms.append(total_norm.item())
         super().step(context_id)
         on_pieces(self.model, settle)
@@ -520,12 +497,11 @@ def recipe(args):
 def read_checkpoint(args):
     """The checkpoint that --resume continues, or None when there is none yet (the run starts from the beginning):
     verified (common.load_checkpoint; a checkpoint of another version lacks a key), and checked against these flags
-    and the model they build (its vocabulary, once the text is read: check_corpus)."""
+    and the model they build (its vocabulary, once the text is read: load_run)."""
     path = Path(args.checkpoint_dir, CHECKPOINT)
-    if path.parent.is_dir():  # a file the run may replace, or nothing yet: not a folder, a device, a dead link
-        common.output_file("--checkpoint-dir", str(path))
-    if not path.exists():
+    if not (path.is_symlink() or path.exists()):
         return None
+    common.output_file("--checkpoint-dir", str(path))  # a file the run may replace: not a folder, a dead link, ...
     saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=("model", "vocab", "config", "recipe", "run"))
     differ = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
                        if recipe(args).get(name) != value)
@@ -567,12 +543,11 @@ def run_trainer(args, corpus, model, device, saved):
                       f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f}",
                       flush=True)
                 run.seconds, since = run.seconds + seconds, time.perf_counter()
-        epoch_seconds = time.perf_counter() - epoch_start
-        valid_loss = evaluate(model, valid_data, args.bptt)
+        valid_loss = evaluate(model, valid_data, args.bptt)  # `since` is the end of training: the last batch is logged
         print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
-              f"{epoch_seconds:.1f} s/epoch", flush=True)
+              f"{since - epoch_start:.1f} s/epoch", flush=True)
         if valid_loss < run.best_valid:
-            run.best_valid, run.best_state = valid_loss, gathered(model, cpu_state_dict)
+            run.best_valid, run.best_state = valid_loss, on_pieces(model, cpu_state_dict)
             if args.save:
                 save_model(args.save, "--save", args, corpus.words, model=run.best_state, valid_loss=valid_loss)
         else:
@@ -580,7 +555,7 @@ def run_trainer(args, corpus, model, device, saved):
         run.epoch += 1
         if args.checkpoint_dir:  # the whole run, from both processes: the weights and where the run stands
             save_model(Path(args.checkpoint_dir, CHECKPOINT), "--checkpoint-dir", args, corpus.words,
-                       model=gathered(model, cpu_state_dict), recipe=recipe(args), run=vars(run))
+                       model=on_pieces(model, cpu_state_dict), recipe=recipe(args), run=vars(run))
     if run.best_state is not None:
         load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
     test_loss = evaluate(model, test_data, args.bptt)
@@ -603,7 +578,7 @@ def compare_gradients(args, corpus, model, device, saved=None):
     worst = [0.0, 0.0, 0.0]  # the largest differences of loss, gradients and weights
     # Each window's distributed step (the generator runs one at a time), then the same window in one process
     for (input, targets), loss in zip(batches, train_batches(model, opt, batches, hidden)):
-        grads, weights = gathered(model, cpu_grads), gathered(model, cpu_state_dict)
+        grads, weights = on_pieces(model, cpu_grads), on_pieces(model, cpu_state_dict)
         local_opt.zero_grad()
         local_loss, local_hidden = local.loss(input.cpu(), targets.cpu(), detach_hidden(local_hidden))
         local_loss.backward()
@@ -639,10 +614,24 @@ def generate_words(args):
 def load_run(args):
     """The text and the checkpoint to continue (or None), read and checked: by main before any process starts, then
     by the trainer, which mp.spawn sends only their paths (sent whole, they would travel through /dev/shm, which a
-    container may keep too small, and make the start long enough for Ctrl-C to cut it short)."""
+    container may keep too small, and make the start long enough for Ctrl-C to cut it short).
+
+    Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must have
+    been written for this text; this machine must hold the model and a window's logits (each weight four times:
+    itself, its gradient, the best and the checkpointed copy; each logit three: itself, its softmax and its
+    gradient)."""
     saved = read_checkpoint(args) if args.resume else None
     corpus = Corpus(wikitext2_dir(args.data_dir))
-    check_corpus(args, corpus, saved)
+    for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):
+        tokens = getattr(corpus, split).numel()
+        check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {size} streams of 2 words or more; "
+                                   f"pass more text" + (" or a smaller --batch-size" if split == "train" else ""))
+    check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
+          f"(its vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
+    ntoken, window = len(corpus.words), min(args.bptt, corpus.train.numel() // args.batch_size)
+    weights = ntoken * (args.emsize + args.nhid + 1) + 4 * args.nhid * (args.emsize + args.nhid + 2) * args.nlayers
+    common.check_memory("the model and a window's logits", 4 * (4 * weights + 3 * window * args.batch_size * ntoken),
+                        SIZES)
     return corpus, saved
 
 
