@@ -150,8 +150,9 @@ def allreduce(data, rank, world_size):
 
 
 class Replica:
-    """This process's copy of LeNet (get_params) and how its gradients are summed (`sum_gradients`, the tutorial's
-    allreduce unless given another). Lives in every process."""
+    """This process's copy of LeNet (get_params), its forward in training (which the variants below replace), how its
+    gradients are summed (`sum_gradients`, the tutorial's allreduce unless given another) and its update. Lives in
+    every process."""
 
     def __init__(self, params, device, rank, world_size, sum_gradients=allreduce):
         self.device_params, self.flat_params, self.flat_grads = get_params(params, device)
@@ -159,15 +160,6 @@ class Replica:
 
     def forward(self, X):
         return lenet(X, self.device_params)
-
-    def backward(self, X_shard, y_shard, batch_size):
-        """Forward, loss and backward of this process's shard; returns its [loss sum, correct predictions]. The
-        shard's loss sum divided by the GLOBAL batch size: summed over the processes, the gradients are those of the
-        mean loss of the whole batch, as one process would compute them."""
-        logits = self.forward(X_shard)
-        loss = F.cross_entropy(logits, y_shard, reduction="sum")
-        (loss / batch_size).backward()
-        return torch.stack([loss.detach(), (logits.argmax(1) == y_shard).sum().to(loss.dtype)])
 
     def sgd(self, lr):  # the tutorial's d2l.sgd (the loss is already divided by the batch size)
         self.flat_params.sub_(self.flat_grads, alpha=lr)
@@ -182,22 +174,26 @@ def split_batch(X, y, rank, world_size):
 def train_batch(X, y, model, lr):
     """The tutorial's train_batch in one process: the loss and gradients of this process's shard of the global
     batch (X, y), the gradients summed over every process, the same update everywhere. Returns the shard's [loss
-    sum, correct predictions], on the device."""
+    sum, correct predictions], on the device.
+
+    The shard's loss sum is divided by the GLOBAL batch size (the tutorial divides in sgd): summed over the
+    processes, the gradients are those of the mean loss of the whole batch, as one process would compute them."""
     X_shard, y_shard = split_batch(X, y, model.rank, model.world_size)
-    totals = model.backward(X_shard, y_shard, len(X))
+    logits = model.forward(X_shard)
+    loss = F.cross_entropy(logits, y_shard, reduction="sum")
+    (loss / len(X)).backward()
     model.sum_gradients(model.flat_grads, model.rank, model.world_size)
     model.sgd(lr)
-    return totals
+    return torch.stack([loss.detach(), (logits.argmax(1) == y_shard).sum().to(loss.dtype)])
 
 
 @torch.no_grad()
 def evaluate_accuracy(model, images, labels, batch_size=2048):
-    """Test accuracy on every process (the chapter's exercise 4): each counts its share of the test set, the counts
-    are summed."""
-    correct = torch.zeros((), device=images.device)
+    """Test accuracy on every process (the chapter's exercise 4): each counts its share of the test set with lenet
+    and the replica's parameters, as the tutorial scores lenet(x, device_params[0]); the counts are summed."""
     my_images, my_labels = split_batch(images, labels, model.rank, model.world_size)
-    for X, y in zip(my_images.split(batch_size), my_labels.split(batch_size)):
-        correct += (model.forward(X).argmax(1) == y).sum()
+    correct = sum((lenet(X, model.device_params).argmax(1) == y).sum()
+                  for X, y in zip(my_images.split(batch_size), my_labels.split(batch_size)))
     dist.all_reduce(correct)
     return correct.item() / len(labels)
 
@@ -281,19 +277,16 @@ class LeNet(nn.Module):
 
 
 class DDPReplica(Replica):
-    """The replica with DistributedDataParallel, which sums the gradients during backward (so nothing is left to
-    sum after it), into the same flat buffer, and averages them over the k processes: a loss k times larger keeps
-    the update equal to the other variants'. Without device_ids DDP takes the module and the inputs where they are."""
+    """The replica with DistributedDataParallel, which sums the gradients during backward, into the same flat buffer,
+    and divides them by the k processes: what is left to do after backward is to multiply them by k, which gives the
+    sum that the other variants compute. Without device_ids DDP takes the module and the inputs where they are."""
 
     def __init__(self, params, device, rank, world_size):
-        super().__init__(params, device, rank, world_size, sum_gradients=lambda *_: None)
+        super().__init__(params, device, rank, world_size, sum_gradients=lambda grads, _, k: grads.mul_(k))
         self.ddp = nn.parallel.DistributedDataParallel(LeNet(self.device_params))
 
     def forward(self, X):
         return self.ddp(X)
-
-    def backward(self, X_shard, y_shard, batch_size):
-        return super().backward(X_shard, y_shard, batch_size / self.world_size)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -325,8 +318,9 @@ def learning_rate(args, step, steps_per_epoch):
 # ---------------------------------------------------------------------------------------------------------
 
 class GraphedReplica(Replica):
-    """The replica whose LeNet forward and backward in training run as CUDA graphs, captured once per shard shape
-    by torch.cuda.make_graphed_callables and replayed at every step. Lives in every GPU process.
+    """The replica whose LeNet forward and backward run as CUDA graphs, captured once per shard shape by
+    torch.cuda.make_graphed_callables and replayed at every step (evaluate_accuracy calls lenet itself, without
+    graphs: its batches have other shapes and no backward). Lives in every GPU process.
 
     A LeNet step is about sixty small kernels, each launched from Python: on a GPU those launches, not the
     arithmetic, set the pace. A graph launches them all at once. The loss, the allreduce and the update run as they
@@ -338,8 +332,6 @@ class GraphedReplica(Replica):
         self.graphed = {}  # shard shape: LeNet's forward and backward as graphs
 
     def forward(self, X):
-        if not torch.is_grad_enabled():  # the test accuracy: other shapes, no backward
-            return super().forward(X)
         if X.shape not in self.graphed:
             self.graphed[X.shape] = torch.cuda.make_graphed_callables(LeNet(self.device_params), (X,))
         return self.graphed[X.shape](X)
@@ -384,9 +376,8 @@ def learning_curve(history):
     """Training loss, training and test accuracy per epoch, as D2L's Animator draws them."""
     from matplotlib.figure import Figure
 
-    axis = Figure(figsize=(6, 4)).subplots()
+    axis = Figure(figsize=(6, 4)).add_subplot(xlabel="epoch")
     axis.plot([h["epoch"] for h in history], [[h["loss"], h["train_acc"], h["test_acc"]] for h in history], "o-")
-    axis.set(xlabel="epoch")
     axis.legend(["loss", "train acc", "test acc"])
     return axis.figure
 
@@ -423,8 +414,7 @@ def validate(args):
     common.check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR, where the checkpoint is")
     common.check(not args.plot or Path(args.plot).suffix.lower() in (".png", ".pdf", ".svg"),
                  f"--plot {args.plot}: name a .png, .pdf or .svg file")
-    rank0 = not torchrun or torchrun["RANK"] == 0
-    return read_checkpoint(args) if args.checkpoint_dir and rank0 else None
+    return read_checkpoint(args) if args.checkpoint_dir and (not torchrun or torchrun["RANK"] == 0) else None
 
 
 @common.worker
@@ -461,11 +451,10 @@ def run_worker(rank, world_size, store, args, data_folder, saved):
     # s_per_epoch: the median epoch this run trained (the first includes warm-up); null when it trained none.
     median = sorted(seconds)[len(seconds) // 2] if seconds else None
     if rank == 0:
-        samples_per_s = len(data[0]) / median if median else None
         common.emit_result("multi_gpu", allreduce=args.allreduce, world_size=world_size, device=device.type,
                            batch_size=args.batch_size, lr=learning_rate(args, math.inf, 1), epochs=len(history),
-                           **{key: history[-1][key] for key in ("loss", "train_acc", "test_acc")},
-                           s_per_epoch=median, samples_per_s=samples_per_s, history=history)
+                           **{key: history[-1][key] for key in ("loss", "train_acc", "test_acc")}, s_per_epoch=median,
+                           samples_per_s=len(data[0]) / median if median else None, history=history)
         if args.plot:  # after the JSON line: a plot that cannot be written loses neither it nor a checkpoint
             common.save_figure(learning_curve(history), args.plot, "--plot", kept="the result and checkpoints are kept")
     dist.destroy_process_group()
