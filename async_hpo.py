@@ -80,8 +80,7 @@ from common import check
 def cluster_address(flag, text):
     """A Ray cluster to join: HOST:PORT or auto. `local` (a new cluster inside this run) and Ray Client addresses,
     which ray.init also accepts, are refused: the search would not run where the user thinks it does."""
-    check(text not in ("", "local") and "://" not in text, f"{flag} {text!r}: give the cluster's HOST:PORT (what `ray "
-                                                           f"start --head` printed), or auto for the one started here")
+    check(text not in ("", "local") and "://" not in text, f"{flag} {text!r}: give the cluster's HOST:PORT, or auto")
     return text
 
 
@@ -149,10 +148,9 @@ def validate(args):
     common.check_processes("--n-workers", args.n_workers, args.oversubscribe or args.ray_address is not None)
     check(args.model == "lenet" or args.activation == "sigmoid",
           f"--activation {args.activation} is the convolutional network's; --model mlp uses ReLU: drop --activation")
-    train_images = common.FASHION_MNIST_TRAIN - HOLDOUT_SIZE * args.holdout
-    check(args.limit_train is None or args.limit_train <= train_images,
-          f"--limit-train {args.limit_train}: more than the {train_images} training images")
-    check(args.scheduler != "gp" or importlib.util.find_spec("botorch") is not None,
+    images = common.FASHION_MNIST_TRAIN - HOLDOUT_SIZE * args.holdout
+    check((args.limit_train or 0) <= images, f"--limit-train {args.limit_train}: beyond the {images} training images")
+    check(args.scheduler != "gp" or importlib.util.find_spec("botorch"),
           "--scheduler gp needs botorch: pip install botorch==0.18.1 (or pick --scheduler bo)")
     gpus = torch.accelerator.device_count()
     check(not args.cuda or args.ray_address or gpus > 0, "--cuda: no GPU on this machine; run without --cuda")
@@ -256,13 +254,12 @@ def tune(args, scheduler, tuner_name, callbacks=None, backend=LocalBackend, entr
     n_workers workers is free, asks the scheduler for a configuration and starts it as a trial on the backend, hands
     the trials' reports to the scheduler, and stops at the budget. (Beyond the tutorial, backend is a subclass.)"""
     trial_backend = backend(entry_point=str(Path(entry_point).resolve()), pass_args_as_json=True)
-    tuner = Tuner(trial_backend=trial_backend, scheduler=scheduler, n_workers=args.n_workers,
-                  stop_criterion=StoppingCriterion(max_wallclock_time=args.max_wallclock_time),
-                  # beyond the tutorial: --sync, --max-failures, bookkeeping, and a free worker reused within 0.1 s
-                  asynchronous_scheduling=not args.sync, max_failures=args.max_failures, callbacks=callbacks,
-                  tuner_name=tuner_name, suffix_tuner_name=False, sleep_time=0.1, save_tuner=False,
-                  output_logger=TunerLogger(use_colors=False, use_emojis=False))
-    tuner.run()
+    stop_criterion = StoppingCriterion(max_wallclock_time=args.max_wallclock_time)
+    Tuner(trial_backend=trial_backend, scheduler=scheduler, stop_criterion=stop_criterion, n_workers=args.n_workers,
+          # beyond the tutorial: --sync, --max-failures, bookkeeping, and a free worker reused within 0.1 s
+          asynchronous_scheduling=not args.sync, max_failures=args.max_failures, callbacks=callbacks,
+          tuner_name=tuner_name, suffix_tuner_name=False, sleep_time=0.1, save_tuner=False,
+          output_logger=TunerLogger(use_colors=False, use_emojis=False)).run()
 
 
 def plot_figures(results, folder):
@@ -336,15 +333,15 @@ def make_scheduler(args, config_space):
     first = MLP_INITIAL_CONFIG if args.model == "mlp" else INITIAL_CONFIG
     if args.scheduler == "random":
         return random_search(args, config_space, first)
-    options = dict(metric=METRIC, do_minimize=True, random_seed=args.seed, points_to_evaluate=[first])
-    if args.scheduler == "bo":  # tree-structured Parzen estimator: needs nothing beyond Syne Tune
-        return TPE(config_space, **options)
-    if args.scheduler == "gp":  # expected improvement on a GP fitted to the finished trials (botorch)
-        return BOTorch(config_space, **options)
+    options = dict(metric=METRIC, do_minimize=True, random_seed=args.seed)
+    if args.scheduler == "local":
+        searcher = LocalSearcher(config_space, points_to_evaluate=[first], random_seed=args.seed)
+        return SingleObjectiveScheduler(config_space, searcher=searcher, **options)
     if args.scheduler == "asha":
-        return ASHA(config_space, time_attr=RESOURCE, max_t=args.max_epochs, **options)
-    return SingleObjectiveScheduler(config_space, metric=METRIC, do_minimize=True, random_seed=args.seed,
-                                    searcher=LocalSearcher(config_space, [first], random_seed=args.seed))
+        return ASHA(config_space, time_attr=RESOURCE, max_t=args.max_epochs, points_to_evaluate=[first], **options)
+    # bo: a tree-structured Parzen estimator, which needs nothing beyond Syne Tune; gp: expected improvement on a
+    # Gaussian process fitted to the finished trials (botorch)
+    return {"bo": TPE, "gp": BOTorch}[args.scheduler](config_space, points_to_evaluate=[first], **options)
 
 
 class AtMost(SingleObjectiveBaseSearcher):
@@ -352,7 +349,7 @@ class AtMost(SingleObjectiveBaseSearcher):
     proposing max_trials configurations, then None, Syne Tune's "nothing left to try": the Tuner lets the running
     trials finish and ends, and its stop criterion still ends the search at --max-wallclock-time. (Stopping once N
     trials have finished would let the free workers start more trials meanwhile, only to cut them off.) It hands
-    the searcher what the scheduler reports."""
+    the searcher the results that the scheduler reports (no searcher of Syne Tune acts on a failed trial)."""
 
     def __init__(self, searcher, max_trials):
         super().__init__(searcher.config_space, random_seed=searcher.random_seed)
@@ -367,9 +364,6 @@ class AtMost(SingleObjectiveBaseSearcher):
 
     def on_trial_complete(self, *args, **kwargs):
         self.searcher.on_trial_complete(*args, **kwargs)
-
-    def on_trial_error(self, trial_id):
-        self.searcher.on_trial_error(trial_id)
 
 
 # --- Beyond the tutorial: the trial process, and the local backend that watches its trials ---
@@ -393,7 +387,7 @@ def trial_main(argv):
     if os.getppid() != config["parent_pid"]:  # the parent died before the line above took effect
         raise SystemExit("the process that started this trial is gone")
     torch.set_num_threads(config["threads"])
-    device = common.pick_device(config["device"] == "gpu", config.get("gpu", 0))
+    device = common.pick_device(config["cuda"], config.get("gpu", 0))
     where = str(device)
     if device.type == "cuda":  # which GPU, whatever the index: CUDA_VISIBLE_DEVICES may differ from one node to another
         where += f" {torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}"
@@ -433,17 +427,16 @@ class WatchedTrials(LocalBackend):
     def _all_trial_results(self, trial_ids):
         now = time.monotonic()
         for trial_id in (trial_id for trial_id in trial_ids if self.trial_subprocess[trial_id].poll() is None):
-            pid = self.trial_subprocess[trial_id].pid
             with contextlib.suppress(psutil.Error):  # it has just ended
-                seen = (psutil.Process(pid).cpu_times()[:2], len(self.stdout(trial_id)), len(self.stderr(trial_id)))
+                process = psutil.Process(self.trial_subprocess[trial_id].pid)
+                seen = (process.cpu_times()[:2], len(self.stdout(trial_id)), len(self.stderr(trial_id)))
                 last_seen, since = self.last_change.get(trial_id, (None, now))
                 if seen != last_seen:
                     self.last_change[trial_id] = (seen, now)
                 elif now - since > self.trial_timeout:
-                    stopped = psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-                    self.reasons[trial_id] = (f"pid {pid} {'stopped' if stopped else 'hung'}: used no "
-                                              f"CPU time and wrote nothing for {now - since:.0f} s (--trial-timeout "
-                                              f"{self.trial_timeout:g}), killed")
+                    how = "stopped" if process.status() == psutil.STATUS_STOPPED else "hung"  # (SIGSTOP, Ctrl-Z)
+                    self.reasons[trial_id] = (f"pid {process.pid} {how}: used no CPU time and wrote nothing for "
+                                              f"{now - since:.0f} s (--trial-timeout {self.trial_timeout:g}), killed")
                     self.trial_subprocess[trial_id].kill()
                     with open(self.trial_path(trial_id) / "std.err", "a") as log:
                         log.write(f"async_hpo: {self.reasons[trial_id]}\n")
@@ -472,26 +465,26 @@ class Search(TunerCallback):
 
     def on_start_trial(self, trial):
         config = {name: trial.config[name] for name in self.hyperparameters}
-        self.reports[trial.trial_id] = (time.time(), [])  # when it started, and its reports
+        self.reports[trial.trial_id] = (time.time(), [])  # when it started, and the errors it reported
         self.rows[trial.trial_id] = {"trial": trial.trial_id, "status": None, **config}
         print(f"trial {trial.trial_id} started | " + " | ".join(f"{key} {value:.4g}" for key, value in config.items()),
               file=self.out, flush=True)
 
     def end(self, trial_id, how):
-        row, (started, reports) = self.rows[trial_id], self.reports[trial_id]
+        row, (started, errors) = self.rows[trial_id], self.reports[trial_id]
         if row["status"] is None:
             info = dict(item for line in self.backend.stdout(trial_id) if line.startswith(TRIAL_INFO)
                         for item in json.loads(line[len(TRIAL_INFO):]).items())
-            errors = [report[METRIC] for report in reports]
-            row.update(epochs=reports[-1][RESOURCE] if reports else 0, val_err=errors[-1] if errors else None,
-                       best_err=min(errors, default=None), busy_s=round(time.time() - started, 3), status=how, **info)
-            last = f"epoch {row['epochs']} | val err {row['val_err']:.4f}" if errors else "no report"
-            detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}" if how == \
-                "failed" else f"{last} | best {self.best:.4f}"
+            # (a trial reports once per epoch)
+            row.update(epochs=len(errors), val_err=errors[-1] if errors else None, best_err=min(errors, default=None),
+                       busy_s=round(time.time() - started, 3), status=how, **info)
+            detail = f"epoch {len(errors)} | val err {errors[-1]:.4f} | best {self.best:.4f}" if errors else "no report"
+            if how == "failed":
+                detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}"
             print(f"trial {trial_id} {how} | {detail}", file=self.out, flush=True)
 
     def on_trial_result(self, trial, status, result, decision):
-        self.reports[trial.trial_id][1].append(result)
+        self.reports[trial.trial_id][1].append(result[METRIC])
         self.best = min(self.best, result[METRIC])
         if decision == SchedulerDecision.STOP:  # ASHA's, or its last rung
             self.end(trial.trial_id, "completed" if result[RESOURCE] >= trial.config["max_epochs"] else "stopped early")
@@ -520,18 +513,6 @@ class KeptResults(StoreResultsCallback):
             common.write_or_fail(self.csv_file, packed.getvalue(), "--results-dir")
 
 
-def messages_to(path):
-    """Syne Tune's banners and status tables (printed), its log messages and Python warnings (botorch's) go to path,
-    so that the console keeps one line per trial event. The file is the root logger's from now on, and stdout in the
-    `with` block of the context manager returned."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(path, "a", buffering=1)  # line by line: a full disk ends the search at the next line (run_search)
-    logging.basicConfig(stream=log, level=logging.INFO, force=True)  # where Syne Tune's loggers end up
-    logging.captureWarnings(True)
-    logging.raiseExceptions = False  # a message that cannot be written is dropped, not a traceback on the console
-    return contextlib.redirect_stdout(log)
-
-
 def stop_on_signals(signum, frame):
     """The handler that run_search gives SIGINT and SIGTERM: the search ends with one line and exit status 128 + the
     signal, a SystemExit, on which Syne Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone).
@@ -557,7 +538,15 @@ def run_search(args, config_space, backend, entry_point=__file__, out=None):
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop_on_signals)
     try:
-        with messages_to(results_dir / name / "tuner.log"):
+        # Syne Tune's banners and status tables (printed), its log messages and Python warnings (botorch's) go to
+        # tuner.log, line by line (a full disk ends the search at the next line), so that the console keeps one line
+        # per trial event; the file is the root logger's from now on
+        (results_dir / name).mkdir(parents=True, exist_ok=True)
+        log = open(results_dir / name / "tuner.log", "a", buffering=1)
+        logging.basicConfig(stream=log, level=logging.INFO, force=True)  # where Syne Tune's loggers end up
+        logging.captureWarnings(True)
+        logging.raiseExceptions = False  # a message that cannot be written is dropped, not a traceback on the console
+        with contextlib.redirect_stdout(log):
             tune(args, scheduler, name, [search, KeptResults()], backend, entry_point)
     except ValueError:  # Syne Tune's way to say that more than max_failures trials failed
         failed = [trial_id for trial_id, row in search.rows.items() if row["status"] == "failed"]
@@ -569,9 +558,8 @@ def run_search(args, config_space, backend, entry_point=__file__, out=None):
     except OSError as error:  # most likely a full disk, a file-size limit or a folder that became read-only
         if common.one_line(error):  # the console's reader gone, or a full output device
             raise
-        raise common.RunFailed(f"{error.filename or results_dir / name}: {error.strerror}; what was written before "
-                               f"is intact; if a disk is full, free space on that disk, lift the file-size limit or "
-                               f"pass another --results-dir") from None
+        raise common.RunFailed(f"{error.filename or results_dir / name}: {error.strerror}; free space on that disk, "
+                               f"lift the file-size limit or change --results-dir; older files are intact") from None
     return search
 
 
@@ -673,7 +661,7 @@ class RayTrials(LocalBackend):
     def __init__(self, cpus, gpus, **options):
         import ray
         super().__init__(rotate_gpus=False, **options)
-        self.trials, self.streams = {}, {}
+        self.trials, self.streams = {}, {}  # by trial id
         self.exit_codes, self.reasons = {}, {}
         # SPREAD: trials on different nodes while there are free ones. No retries: a trial whose node died has
         # failed, and Syne Tune decides what runs next.
@@ -734,16 +722,14 @@ def main(argv=None):
         gpus_per_trial = 1 / args.trials_per_gpu if args.cuda else 0
         fit = cpus_per_trial(nodes, args.n_workers, gpus_per_trial)
         threads = args.trial_threads or fit
-        check(1 <= threads <= fit, f"--n-workers {args.n_workers} with {max(threads, 1)} CPUs each"
-                                   f"{f' and 1/{args.trials_per_gpu} GPU' if args.cuda else ''}: more than the cluster "
-                                   f"can run at once (CPUs, GPUs of its nodes: {nodes})")
+        check(1 <= threads <= fit, f"--n-workers {args.n_workers} with {max(threads, 1)} CPUs each: more than the "
+                                   f"cluster can run at once (CPUs, GPUs of its nodes: {nodes})")
         backend = functools.partial(RayTrials, threads, gpus_per_trial)
     else:
         threads = args.trial_threads or max(1, common.usable_cpus() // args.n_workers)
         backend = functools.partial(WatchedTrials, args.trial_timeout)
     config_space = {**make_config_space(args, data_folder), **(MLP_SPACE if args.model == "mlp" else {}),
-                    "model": args.model, "threads": threads, "device": "gpu" if args.cuda else "cpu",
-                    "parent_pid": os.getpid()}
+                    "model": args.model, "threads": threads, "cuda": args.cuda, "parent_pid": os.getpid()}
     report(args, run_search(args, config_space, backend))
 
 

@@ -880,7 +880,7 @@ def test_trials_per_gpu_is_checked_against_the_gpus_and_places_the_trials(monkey
         placed.append(config["gpu"]), backend.trial_subprocess.__setitem__(trial_id, Process())))
     backend = async_hpo.WatchedTrials(60, entry_point=str(REPO / "async_hpo.py"))
     for trial_id in range(4):
-        backend._schedule(trial_id, {"device": "gpu"})
+        backend._schedule(trial_id, {"cuda": True})
     assert sorted(placed) == [0, 0, 1, 1]
 
 
