@@ -34,16 +34,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional
 
 import gymnasium as gym
 import numpy as np
 import torch
 import torch.multiprocessing as mp
-import torch.nn as nn
 import torch.nn.functional as F
-import torch.optim as optim
+from torch import nn, optim
 from torch.distributed import rpc
 from torch.distributed.rpc import RRef, remote
 from torch.distributions import Categorical
@@ -320,7 +318,7 @@ CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "episode_rewards", "running_
 
 
 def checkpoint_path(args):
-    return Path(args.checkpoint_dir) / "rpc_rl.pt"
+    return os.path.join(args.checkpoint_dir, "rpc_rl.pt")
 
 
 def recipe(args):
@@ -330,12 +328,13 @@ def recipe(args):
 
 
 def read_checkpoint(args):
-    """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one, else the policy
-    of --load, else None (a new policy). Read once, before any process starts, and checked to fit the policy."""
+    """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one (after a line
+    that says so), else the policy of --load, else None (a new policy). Read once, before any process starts, and
+    checked to fit the policy."""
     path = checkpoint_path(args) if args.checkpoint_dir else None
-    if path and path.parent.is_dir():  # a file the run may replace, or nothing yet: not a folder, a device, a dead link
-        common.output_file("--checkpoint-dir", str(path))
-    if args.resume and path.exists():
+    if path and os.path.lexists(path):  # a file the run may replace: not a folder, a FIFO, a dead link
+        common.output_file("--checkpoint-dir", path)
+    if args.resume and path and os.path.exists(path):
         check(not args.load, f"--load {args.load}: --resume continues the checkpoint in {args.checkpoint_dir} instead; "
                              f"drop --load, or pass another --checkpoint-dir")
         saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
@@ -343,6 +342,7 @@ def read_checkpoint(args):
               f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
         policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
         common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
+        print(f"resuming after episode {len(saved['episode_rewards'])} from {path}", flush=True)
         return saved
     if args.load:
         saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
@@ -367,7 +367,6 @@ class BatchAgent(Agent):
             self.optimizer.load_state_dict(saved["optimizer"])
             self.episode_rewards, self.running_reward = saved["episode_rewards"], saved["running_reward"]
             self.rng.bit_generator.state = saved["rng"]
-            print(f"resuming after episode {len(self.episode_rewards)} from {checkpoint_path(args)}", flush=True)
 
     def run_episode(self):
         """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent. Starts the
@@ -433,16 +432,15 @@ class BatchAgent(Agent):
                 "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
         return min_reward
 
-    def discounted_returns(self, env, R=0.0):
+    def discounted_returns(self, env):
         """With --truncation bootstrap, the return of an episode that CartPole's 500-step limit cut short (gymnasium's
         `truncated`) goes on past the limit. The limit is not part of the task: ending the sum there teaches the
         policy that its last actions, which kept the pole up, were its worst, and once it balances for a whole
         episode, every update pushes it away from what it does. REINFORCE has no value function to bootstrap from:
         the sum goes on with the last reward forever, r / (1 - gamma), so that a policy that balances to the limit
         sees equal returns at every step, hence no update."""
-        if self.truncated[env] and self.args.truncation == "bootstrap":
-            R = self.rewards[env][-1] / (1 - self.args.gamma)
-        return super().discounted_returns(env, R)
+        bootstrap = self.truncated[env] and self.args.truncation == "bootstrap"
+        return super().discounted_returns(env, self.rewards[env][-1] / (1 - self.args.gamma) if bootstrap else 0.0)
 
     def update_running_reward(self, episode_rewards):
         """K environments per observer play K rounds of episodes at once (round k: environment k of every observer);
