@@ -334,7 +334,7 @@ def read_checkpoint(args):
     path = checkpoint_path(args) if args.checkpoint_dir else None
     if path and os.path.lexists(path):  # a file the run may replace: not a folder, a FIFO, a dead link
         common.output_file("--checkpoint-dir", path)
-    if args.resume and path and os.path.exists(path):
+    if args.resume and os.path.exists(path):  # (validate: --resume comes with --checkpoint-dir)
         check(not args.load, f"--load {args.load}: --resume continues the checkpoint in {args.checkpoint_dir} instead; "
                              f"drop --load, or pass another --checkpoint-dir")
         saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)

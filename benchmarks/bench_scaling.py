@@ -507,7 +507,7 @@ def fit_model(points):
         fixed = smallest["seconds"] / messages
         rate = rate_through(fixed)
         if rate == 0:
-            fixed = min(point["seconds"] for point in series(name)) / messages
+            fixed = min(point["seconds"] for point in [smallest, *others]) / messages
             rate = rate_through(fixed)
         return fixed - smallest["bytes"] * rate, rate
 
