@@ -92,8 +92,9 @@ class Args:
     resume: bool = False
     """continue from the checkpoint in --checkpoint-dir, if there is one, as if the run had not stopped"""
     # Devices and launch
-    pin_cpus: bool = True
-    """bind each process to a CPU of its own when this machine has one for each"""
+    pin_cpus: bool = False
+    """bind each process to a CPU of its own when this machine has one for each: faster while nothing else runs on
+    those CPUs, slower when something does"""
     rpc_timeout: Seconds = 20.0
     """an RPC to a silent (stopped, hung) process fails after this long and ends the run; it also bounds an
     episode"""
@@ -472,8 +473,10 @@ def pin_to_one_cpu(local_rank, local_world_size):
     """Bind this process to one CPU of its own when this machine has one for each of its processes (else the OS
     scheduler places the processes).
 
-    For RPC-bound runs: TensorPipe's shared-memory transport polls busily in a thread of every process, and
-    unpinned, the pollers of all processes and their Python threads fight over the same cores.
+    For RPC-bound runs on CPUs that nothing else uses: TensorPipe's shared-memory transport polls busily in a thread
+    of every process, and unpinned, the pollers of all processes and their Python threads fight over the same cores.
+    Off by default (--pin-cpus): a pinned process cannot move away from other work that lands on its CPU, where its
+    poller and its Python thread already take turns, so one other busy process slows a pinned run several times over.
     """
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
     if len(cpus) >= local_world_size:

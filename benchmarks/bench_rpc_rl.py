@@ -2,22 +2,25 @@
 
 1. Steps/s with 1, 2 and 4 observers, side by side in one run:
    - default:   rpc_rl.py as it is (one RPC per step, one forward per step for all observers, in numpy);
-   - unpinned:  rpc_rl.py --no-pin-cpus (the same, processes not bound to CPUs; pinning only happens when
+   - pinned:    rpc_rl.py --pin-cpus (the same, each process bound to a CPU of its own; pinning only happens when
                 there is a CPU for every process, so on 2 CPUs only with 1 observer);
    - tutorial:  rpc_rl.py --tutorial, the tutorial's code: two RPCs per step (select_action, then report_reward),
-                one torch forward with autograd per request, processes pinned like the default's, so the ratio
-                measures the code, not the placement.
+                one torch forward with autograd per request, placed like the default's, so the ratio measures the
+                code, not the placement.
    Every mode trains for the same number of episodes with the same seed; steps/s is measured over the training
-   loop only (process start and RPC setup excluded) and all processes use one intra-op thread.
+   loop only (process start and RPC setup excluded) and all processes use one intra-op thread. With --busy N, N
+   processes that loop in pure Python run beside every measurement, as other work sharing the CPUs would.
 2. Episodes and wall time to solve (running reward > 475) at world size 2, for several seeds: median and range,
    with the returns of time-limited episodes bootstrapped (rpc_rl.py's default) and ended there (the tutorial).
 
     python benchmarks/bench_rpc_rl.py                         # both parts
     python benchmarks/bench_rpc_rl.py --no-solve              # steps/s only
+    python benchmarks/bench_rpc_rl.py --no-solve --busy 1     # steps/s beside one busy process
     python benchmarks/bench_rpc_rl.py --no-throughput --seeds 1,2
 Ends with one JSON line holding every figure and the machine it ran on.
 """
 
+import contextlib
 import json
 import platform
 import statistics
@@ -32,7 +35,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import Positive, parse_args, run_main, usable_cpus  # noqa: E402
+from common import NonNegative, Positive, parse_args, run_main, usable_cpus  # noqa: E402
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Args:
     """episode cap of each time-to-solve run"""
     truncation: str = "bootstrap,terminal"
     """comma-separated --truncation modes of rpc_rl.py to time to solve"""
+    busy: NonNegative = 0
+    """processes looping in pure Python beside every steps/s measurement (other work sharing the CPUs)"""
     # Parts
     throughput: bool = True
     """run part 1 (steps/s)"""
@@ -72,21 +77,35 @@ def run_tutorial(observers, episodes, seed):
                       "--log-interval", episodes)
 
 
+@contextlib.contextmanager
+def busy_processes(count):
+    """`count` processes that loop in pure Python until the block ends."""
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
 def throughput(args):
-    print(f"steps/s over {args.episodes} training episodes, seed 1 (higher is better)", flush=True)
-    print(f"{'observers':>9} | {'default':>8} | {'unpinned':>8} | {'tutorial':>8} | default / tutorial", flush=True)
+    print(f"steps/s over {args.episodes} training episodes, seed 1, beside {args.busy} busy process(es) (higher is "
+          f"better)", flush=True)
+    print(f"{'observers':>9} | {'default':>8} | {'pinned':>8} | {'tutorial':>8} | default / tutorial", flush=True)
     rows = {}
     for observers in [int(n) for n in args.observers.split(",")]:
         flags = ("--world-size", observers + 1, "--max-episodes", args.episodes, "--seed", 1,
                  "--log-interval", args.episodes)
-        default = run_rpc_rl(*flags)["steps_per_s"]
-        unpinned = run_rpc_rl(*flags, "--no-pin-cpus")["steps_per_s"]
-        tutorial = run_tutorial(observers, args.episodes, 1)["steps_per_s"]
-        print(f"{observers:>9} | {default:>8.0f} | {unpinned:>8.0f} | {tutorial:>8.0f} | {default / tutorial:.2f}x",
+        with busy_processes(args.busy):
+            default = run_rpc_rl(*flags)["steps_per_s"]
+            pinned = run_rpc_rl(*flags, "--pin-cpus")["steps_per_s"]
+            tutorial = run_tutorial(observers, args.episodes, 1)["steps_per_s"]
+        print(f"{observers:>9} | {default:>8.0f} | {pinned:>8.0f} | {tutorial:>8.0f} | {default / tutorial:.2f}x",
               flush=True)
-        rows[observers] = {"default": default, "unpinned": unpinned, "tutorial": tutorial,
+        rows[observers] = {"default": default, "pinned": pinned, "tutorial": tutorial,
                            "default_over_tutorial": default / tutorial}
-    return rows
+    return {"busy_processes": args.busy, "rows": rows}
 
 
 def time_to_solve(args):

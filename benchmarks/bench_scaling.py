@@ -372,8 +372,9 @@ def measure_agent(observers, args):
 
 @common.worker
 def agent_worker(rank, world_size, store, args, result_file):
-    """One process of rpc_rl's run as rpc_rl.py starts it (one thread, a CPU of its own where there is one for each):
-    rank 0 is the agent, which measures and writes the points to result_file; the others are its observers."""
+    """One process of rpc_rl's run as `rpc_rl.py --pin-cpus` starts it (one thread, a CPU of its own where there is
+    one for each): rank 0 is the agent, which measures and writes the points to result_file; the others are its
+    observers."""
     torch.set_num_threads(1)
     rpc_rl.pin_to_one_cpu(rank, world_size)
     name = rpc_rl.AGENT_NAME if rank == 0 else rpc_rl.OBSERVER_NAME.format(rank)

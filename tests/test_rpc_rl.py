@@ -480,11 +480,11 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
 def test_two_torchrun_nodes_on_loopback_give_the_rewards_of_the_spawned_run():
     """`torchrun --nnodes 2`, one process per node (the agent on node 0, an observer on node 1), as two machines
     would run it: the episode rewards of the spawned run with the same seed (SEED_3, which the spawned runs above
-    give). Both "nodes" share this machine's CPUs, so --no-pin-cpus (pinning binds local rank 0 to the first)."""
+    give)."""
     port = free_port()
     nodes = [subprocess.Popen(torchrun_command("--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1,
                                                "--master-addr", "127.0.0.1", "--master-port", port, "rpc_rl.py",
-                                               "--max-episodes", 10, "--seed", 3, "--no-pin-cpus"),
+                                               "--max-episodes", 10, "--seed", 3),
                               cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (1, 0)]
     try:
