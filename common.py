@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import errno
 import functools
+import gc
 import gzip
 import hashlib
 import inspect
@@ -266,6 +267,7 @@ def run_main(main, sizes="size"):
         print(f"{prog}: error: the output is closed; give the run somewhere to write it", file=sys.stderr)
         sys.exit(2)
     sys.stdout.reconfigure(errors="backslashreplace")  # characters the output's encoding lacks (PYTHONIOENCODING)
+    gc.freeze()  # what is imported by now (torch's many objects) is no garbage: no collection walks it, even at exit
     try:
         return main()
     except mp.ProcessExitedException as error:
