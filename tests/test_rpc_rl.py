@@ -416,12 +416,18 @@ def test_killed_observer_ends_the_run_in_one_line_keeps_the_last_checkpoint_and_
 
 
 def test_a_killed_launcher_leaves_nothing():
-    """SIGKILL of `python rpc_rl.py` itself (not a worker): its processes end within seconds."""
-    proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1)
+    """SIGKILL of `python rpc_rl.py --pin-cpus` itself (not a worker): its processes end within seconds. Until then,
+    each ran on a CPU of its own, where this machine has one for each (a default run's are not pinned: see the
+    torchrun restart test)."""
+    proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1, "--pin-cpus")
     try:
         wait_for_line(proc, "episode 1 |", timeout=100)
         processes = psutil.Process(proc.pid).children(recursive=True)
-        assert len(spawned_workers(proc)) == 2
+        workers = spawned_workers(proc)
+        assert len(workers) == 2
+        cpus = sorted(os.sched_getaffinity(0))
+        pinned = [{cpus[0]}, {cpus[1]}] if len(cpus) >= 2 else [set(cpus)] * 2
+        assert [set(worker.cpu_affinity()) for worker in workers] == pinned
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         assert_all_ended(processes, timeout=10)
@@ -456,6 +462,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
         workers = [child for child in psutil.Process(proc.pid).children(recursive=True)
                    if "rpc_rl.py" in " ".join(child.cmdline())]
         assert len(workers) == 2
+        assert [set(worker.cpu_affinity()) for worker in workers] == [os.sched_getaffinity(0)] * 2  # not pinned
         max(workers, key=lambda worker: worker.pid).send_signal(signal.SIGKILL)  # rank 1, started last
         out, err = proc.communicate(timeout=150)
     finally:
