@@ -206,7 +206,8 @@ def as_input(images):
 
 
 @torch.no_grad()
-def validation_error(model, images, labels, batch_size=2000):
+def validation_error(model, images, labels, batch_size=256):
+    """The share of the images the model gets wrong, in batches whose activations stay in a CPU's cache."""
     model.eval()
     batches = zip(images.split(batch_size), labels.split(batch_size))
     return sum((model(as_input(x)).argmax(1) != y).sum() for x, y in batches).item() / len(labels)

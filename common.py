@@ -670,6 +670,7 @@ FASHION_MNIST_FILES = {"train-images-idx3-ubyte.gz": "f4a8712d7a061bf5bd6d2ca38d
                        "t10k-images-idx3-ubyte.gz": "8181f5470baa50b63fa0f6fddb340f0a",
                        "t10k-labels-idx1-ubyte.gz": "15d484375f8d13e6eb1aabb0c3f46965"}
 FASHION_MNIST_TRAIN = 60_000  # images in the training split
+FASHION_MNIST_TEST = 10_000  # images in the test split
 
 
 def _gunzip(data, path="the download"):

@@ -212,7 +212,8 @@ def cases(table):
 
 # --- Data: Fashion-MNIST for multi_gpu and async_hpo, a small text of non-ASCII words for rpc_rnn ---
 
-MULTI_GPU = ["--gpus", 0, "--procs", 2, "--batch-size", 64, "--limit-train", 512]  # seconds an epoch, on 2 cores
+# A second or two an epoch, on 2 cores
+MULTI_GPU = ["--gpus", 0, "--procs", 2, "--batch-size", 64, "--limit-train", 512, "--limit-test", 1000]
 RNN = ["--emsize", 16, "--nhid", 16, "--batch-size", 4, "--bptt", 8]
 NON_ASCII = ("café naïve Zürich 東京 Ελλάδα straße piñata façade "
              "smörgåsbord jalapeño crème brûlée Москва 日本語").split()

@@ -44,10 +44,10 @@ from conftest import (
 # Small enough for seconds on 2 cores, and 512 steps: the tutorial's initialisation sits at chance level (0.1)
 # for a few hundred steps, and how many depends on the seed and on rounding (seeds 0-9 of this recipe reach
 # 0.50-0.72 test accuracy on 2 CPU processes; with 64 images a batch, one seed in six was still at chance).
-TINY = {"batch_size": 32, "lr": 0.3, "limit_train": 8192, "epochs": 2, "seed": 4}
+TINY = {"batch_size": 32, "lr": 0.3, "limit_train": 8192, "limit_test": 1000, "epochs": 2, "seed": 4}
 # The tutorial's recipe for a few steps. Leaving chance level is a symmetry-breaking phase in which rounding
 # differences grow exponentially, so parameter equality is checked on a short run, learning on TINY.
-SHORT = {"batch_size": 256, "lr": 0.2, "limit_train": 2000, "epochs": 2, "seed": 5}
+SHORT = {"batch_size": 256, "lr": 0.2, "limit_train": 2000, "limit_test": 1000, "epochs": 2, "seed": 5}
 CPU = {"gpus": 0}  # tests that are about CPU processes say so: a GPU machine would otherwise use its GPUs
 ALLREDUCES = ["tutorial", "ring", "builtin", "ddp"]
 
@@ -94,15 +94,29 @@ def test_two_processes_learn():
     assert sum(line.startswith("epoch ") for line in proc.stdout.splitlines()) == 2  # rank 0 only, per epoch
 
 
-@pytest.mark.parametrize("procs, allreduce", [(2, name) for name in ALLREDUCES] + [(3, "tutorial"), (3, "ring")])
+@pytest.mark.parametrize("procs, allreduce", [(2, "tutorial"), (2, "builtin"), (2, "ddp"), (3, "tutorial"),
+                                             (3, "ring")])
 def test_k_processes_give_the_parameters_of_one_process(allreduce, procs, one_process_short, tmp_path):
-    """2000 images in batches of 256: the last batch (208) and, with 3 processes, the shards are uneven."""
+    """2000 images in batches of 256: the last batch (208) and, with 3 processes, the shards are uneven. Two processes
+    with the default allreduce (ring) are the run of test_multi_gpu_copied_alone_beside_common_runs_..."""
     proc = multi_gpu_run(CPU, SHORT, procs=procs, allreduce=allreduce, checkpoint_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr
     params, reference = final_params(tmp_path), one_process_short["params"]
     initial = multi_gpu.init_params(5)
     assert (reference - initial).abs().max() > 1e-3  # training moved the parameters: the comparison means something
     torch.testing.assert_close(params, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_limit_test_scores_the_first_n_test_images(one_process):
+    """The last epoch's test accuracy is that of the saved parameters on the first --limit-test images, scored here
+    with a plain forward."""
+    _, _, images, labels = common.load_fashion_mnist(data_folder())
+    images, labels = images[:TINY["limit_test"]].unsqueeze(1).float() / 255, labels[:TINY["limit_test"]]
+    params, _, _ = multi_gpu.get_params(one_process["params"], torch.device("cpu"))
+    with torch.no_grad():
+        correct = (multi_gpu.lenet(images, params).argmax(1) == labels).sum().item()
+    assert one_process["result"]["test_acc"] == correct / TINY["limit_test"]
+    assert 0.3 < one_process["result"]["test_acc"] < 1  # trained, and not every image right
 
 
 def test_plot_is_a_png_of_the_learning_curve(one_process):
@@ -244,7 +258,7 @@ def test_two_torchrun_nodes_on_loopback_equal_one_process(one_process_short, tmp
 
 
 # Epochs of a second or two on 2 CPU processes: long enough to kill a worker in the middle of one.
-RESTARTS = {"batch_size": 64, "lr": 0.2, "limit_train": 4096, "epochs": 4, "seed": 1}
+RESTARTS = {"batch_size": 64, "lr": 0.2, "limit_train": 4096, "limit_test": 1000, "epochs": 4, "seed": 1}
 
 
 def new_torchrun_workers(agent, seen, count=2, timeout=120):
@@ -421,8 +435,8 @@ def checkpoint_in(folder, script="multi_gpu", epochs=1, lr=0.2, damage=None, par
     folder.mkdir(exist_ok=True)
     path = folder / "multi_gpu.pt"
     history = [{"epoch": e + 1, "loss": 1.0, "train_acc": 0.5, "test_acc": 0.5, "seconds": 1.0} for e in range(epochs)]
-    recipe = {"batch_size": 256, "lr": lr, "seed": 0, "limit_train": None, "lr_scaling": "none", "lr_base_batch": 256,
-              "warmup_epochs": None}
+    recipe = {"batch_size": 256, "lr": lr, "seed": 0, "limit_train": None, "limit_test": None, "lr_scaling": "none",
+              "lr_base_batch": 256, "warmup_epochs": None}
     params = multi_gpu.init_params(0) if params is None else params
     common.save_checkpoint(path, script, state or {"epoch": epochs, "params": params, "history": history,
                                                    "recipe": recipe})
@@ -479,6 +493,8 @@ BAD_INPUT = {
     "limit train 0": (["--limit-train", 0], ["--limit-train 0: not a whole number, 1 or more"], None, None),
     "limit train above the training set (new)": (["--limit-train", 60_001], ["--limit-train 60001: more than the "
                                                                              "60000 training images"], None, None),
+    "limit test above the test set (new)": (["--limit-test", 10_001], ["--limit-test 10001: more than the 10000 test "
+                                                                       "images"], None, None),
     "batch per device 0": (["--batch-per-device", 0], ["--batch-per-device 0: not a whole number"], None, None),
     "warmup negative": (["--lr-scaling", "linear", "--warmup-epochs", -1], ["--warmup-epochs -1: not a positive"],
                         None, None),
@@ -714,7 +730,7 @@ def test_corrupt_data_is_one_line_from_the_launcher(tmp_path):
 
 def start_long_run(**extra):
     return start_script("multi_gpu.py", *flags(CPU, data_flags(), procs=2, batch_size=64, limit_train=4096,
-                                               epochs=100, **extra))
+                                               limit_test=1000, epochs=100, **extra))
 
 
 def load_saved(path):
@@ -824,7 +840,8 @@ def test_multi_gpu_copied_alone_beside_common_runs_and_writes_nothing_beside_the
     before = tree(folder)
     proc = run_copy(folder, CPU, SHORT, procs=2, checkpoint_dir=tmp_path / "checkpoints")
     assert proc.returncode == 0, proc.stderr
-    assert last_json(proc.stdout)["world_size"] == 2
+    result = last_json(proc.stdout)
+    assert result["world_size"] == 2 and result["allreduce"] == "ring"  # the default, which no other test runs on 2
     params = final_params(tmp_path / "checkpoints")
     assert (params - multi_gpu.init_params(SHORT["seed"])).abs().max() > 1e-3  # trained: the comparison means something
     torch.testing.assert_close(params, one_process_short["params"], rtol=1e-5, atol=1e-6)
@@ -912,8 +929,8 @@ def test_a_plot_that_cannot_be_written_keeps_the_old_one_and_the_result(tmp_path
 
     plot = tmp_path / "curve.png"
     plot.write_bytes(b"the previous plot")
-    proc = start_script("multi_gpu.py", *flags(CPU, data_flags(), procs=2, batch_size=64, limit_train=4096, epochs=3,
-                                               plot=plot))
+    proc = start_script("multi_gpu.py", *flags(CPU, data_flags(), procs=2, batch_size=64, limit_train=4096,
+                                               limit_test=1000, epochs=3, plot=plot))
     try:
         wait_for_line(proc, "epoch 1 |")
         resource.prlimit(spawned_workers(proc)[0].pid, resource.RLIMIT_FSIZE, (1000, 1000))
@@ -962,7 +979,8 @@ def test_batch_per_device_and_a_warmed_up_scaled_learning_rate_equal_one_process
 
 
 def test_two_runs_at_once_both_succeed():
-    runs = [start_script("multi_gpu.py", *flags(CPU, data_flags(), procs=2, limit_train=1024, epochs=1))
+    runs = [start_script("multi_gpu.py", *flags(CPU, data_flags(), procs=2, limit_train=1024, limit_test=1000,
+                                                     epochs=1))
             for _ in range(2)]
     for run in runs:
         stdout, stderr = run.communicate(timeout=180)
