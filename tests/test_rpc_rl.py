@@ -348,12 +348,25 @@ def test_returns_end_at_a_failure_and_go_on_past_the_time_limit():
     np.testing.assert_allclose(batched.discounted_returns((1, 0)), [4.0951, 3.439, 2.71, 1.9, 1.0])
 
 
-def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_differently_when_bootstrapped():
-    terminal = finish(start_rpc_rl("--seed", 4, "--max-episodes", 60, "--truncation", "terminal"))
+# A sitecustomize module (as STEP_COUNTER) that cuts CartPole's time limit from 500 steps to TIME_LIMIT in every
+# process of a run: gym.make reads it from the registry. An untrained policy reaches 50 within a few episodes, where it
+# takes thousands of steps of training to reach 500.
+TIME_LIMIT = 50
+SHORT_TIME_LIMIT = f"""
+import gymnasium
+
+gymnasium.envs.registry["CartPole-v1"].max_episode_steps = {TIME_LIMIT}
+"""
+
+
+def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_differently_when_bootstrapped(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(SHORT_TIME_LIMIT)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    terminal = finish(start_rpc_rl("--seed", 4, "--max-episodes", 10, "--truncation", "terminal", env=env))
     rewards = [reward for (reward,) in terminal["episode_rewards"]]
-    assert 500.0 in rewards, "seed 4 no longer reaches the time limit within 60 episodes: pick another seed"
-    first = rewards.index(500.0)
-    bootstrap = finish(start_rpc_rl("--seed", 4, "--max-episodes", first + 5))
+    assert max(rewards) == TIME_LIMIT, f"seed 4 no longer reaches {TIME_LIMIT} steps within 10 episodes: pick another"
+    first = rewards.index(TIME_LIMIT)
+    bootstrap = finish(start_rpc_rl("--seed", 4, "--max-episodes", first + 5, env=env))
     bootstrapped = [reward for (reward,) in bootstrap["episode_rewards"]]
     # identical until the update after that episode, which only the returns' treatment of it changes
     assert bootstrapped[:first + 1] == rewards[:first + 1]
