@@ -436,17 +436,19 @@ def trainer_of(agent):
 
 
 def test_torchrun_restarts_after_killed_trainers_end_with_the_uninterrupted_losses(trained, text_dir, tmp_path):
-    """torchrun --max-restarts: the trainer is killed in the middle of epoch 2, and again once the resumed epoch 2
-    trains; each time the group restarts, resumes from the last checkpoint, and the run ends with the losses of the
-    uninterrupted one (with dropout: the masks of a resumed epoch are those of the uninterrupted run). The test reads
-    the output while the run goes on, so on a loaded machine a kill can land after epoch 2's checkpoint: the group
-    then resumes past the last epoch and trains nothing, and there is no second kill."""
+    """torchrun --max-restarts: the trainer is killed after the first batch of epoch 2, and again once the resumed
+    epoch 2 trains; each time the group restarts, resumes from the last checkpoint, and the run ends with the losses
+    of the uninterrupted one (with dropout: the masks of a resumed epoch are those of the uninterrupted run). The test
+    reads the output while the run goes on, a line per batch (the losses do not depend on --log-interval), so on a
+    loaded machine a kill can land after epoch 2's checkpoint: the group then resumes past the last epoch and trains
+    nothing, and there is no second kill. After the first batch's line, 19 batches, the validation and the test are
+    left before the trainer ends: time for a loaded machine to read the line."""
     agent = subprocess.Popen(torchrun_command("--standalone", "--nproc-per-node", 2, "--max-restarts", 3,
                                               "--monitor-interval", 0.1, "rpc_rnn.py", "--data-dir", text_dir, *TRAIN,
-                                              "--checkpoint-dir", tmp_path, "--resume"),
+                                              "--log-interval", 1, "--checkpoint-dir", tmp_path, "--resume"),
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_line(agent, "epoch 2 | batch 10/20", timeout=120)
+        wait_for_line(agent, "epoch 2 | batch 1/20", timeout=120)
         trainer_of(agent).kill()
         resumes = [wait_for_line(agent, "resuming at", timeout=120)]
         if resumed_epoch(resumes[0]) == 2:
