@@ -67,10 +67,10 @@ def final_params(checkpoint_dir):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """The reference: one process on the same global batches (also writes the plot)."""
-    folder = tmp_path_factory.mktemp("one")
-    proc = multi_gpu_run(CPU, TINY, procs=1, checkpoint_dir=folder, plot=folder / "curve.png")
+def two_processes(tmp_path_factory):
+    """A run that learns (TINY) on two processes with the default allreduce, its checkpoint and its plot."""
+    folder = tmp_path_factory.mktemp("two")
+    proc = multi_gpu_run(CPU, TINY, procs=2, checkpoint_dir=folder, plot=folder / "curve.png")
     assert proc.returncode == 0, proc.stderr
     return {"result": last_json(proc.stdout), "params": final_params(folder), "dir": folder, "stdout": proc.stdout}
 
@@ -83,15 +83,13 @@ def one_process_short(tmp_path_factory):
     return {"result": last_json(proc.stdout), "params": final_params(folder)}
 
 
-def test_two_processes_learn():
+def test_two_processes_learn(two_processes):
     """The default allreduce; every other one computes its parameters (test_k_processes_give_...)."""
-    proc = multi_gpu_run(CPU, TINY, procs=2)
-    assert proc.returncode == 0, proc.stderr
-    result = last_json(proc.stdout)
+    result = two_processes["result"]
     assert result["world_size"] == 2
     assert result["test_acc"] > 0.3, result  # chance is 0.1
     assert result["history"][-1]["loss"] < result["history"][0]["loss"] - 0.05
-    assert sum(line.startswith("epoch ") for line in proc.stdout.splitlines()) == 2  # rank 0 only, per epoch
+    assert sum(line.startswith("epoch ") for line in two_processes["stdout"].splitlines()) == 2  # rank 0, per epoch
 
 
 @pytest.mark.parametrize("procs, allreduce", [(2, "tutorial"), (2, "builtin"), (2, "ddp"), (3, "tutorial"),
@@ -107,20 +105,20 @@ def test_k_processes_give_the_parameters_of_one_process(allreduce, procs, one_pr
     torch.testing.assert_close(params, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_limit_test_scores_the_first_n_test_images(one_process):
-    """The last epoch's test accuracy is that of the saved parameters on the first --limit-test images, scored here
-    with a plain forward."""
+def test_limit_test_scores_the_first_n_test_images(two_processes):
+    """The last epoch's test accuracy is that of the saved parameters on the first --limit-test images (each process
+    scored its share), scored here with a plain forward."""
     _, _, images, labels = common.load_fashion_mnist(data_folder())
     images, labels = images[:TINY["limit_test"]].unsqueeze(1).float() / 255, labels[:TINY["limit_test"]]
-    params, _, _ = multi_gpu.get_params(one_process["params"], torch.device("cpu"))
+    params, _, _ = multi_gpu.get_params(two_processes["params"], torch.device("cpu"))
     with torch.no_grad():
         correct = (multi_gpu.lenet(images, params).argmax(1) == labels).sum().item()
-    assert one_process["result"]["test_acc"] == correct / TINY["limit_test"]
-    assert 0.3 < one_process["result"]["test_acc"] < 1  # trained, and not every image right
+    assert two_processes["result"]["test_acc"] == correct / TINY["limit_test"]
+    assert 0.3 < two_processes["result"]["test_acc"] < 1  # trained, and not every image right
 
 
-def test_plot_is_a_png_of_the_learning_curve(one_process):
-    png = (one_process["dir"] / "curve.png").read_bytes()
+def test_plot_is_a_png_of_the_learning_curve(two_processes):
+    png = (two_processes["dir"] / "curve.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
@@ -197,35 +195,35 @@ def test_hand_written_allreduce_sums_exactly_on_nccl(tmp_path):
     check_allreduce(tmp_path, gpu_count(), "nccl")
 
 
-def test_resume_ends_with_the_same_parameters_and_times_only_its_own_epochs(one_process, tmp_path):
+def test_resume_ends_with_the_same_parameters_and_times_only_its_own_epochs(one_process_short, tmp_path):
     """Stopped after epoch 1 and resumed: the curve and the parameters of the uninterrupted run, and s_per_epoch is
     the median of the epochs the resumed run trained (here epoch 2 alone), not of the epochs before the resume. Run
     again once finished, it says so and trains nothing. --plot curve.pdf writes a PDF."""
-    first = multi_gpu_run(CPU, TINY, procs=1, epochs=1, checkpoint_dir=tmp_path)
+    first = multi_gpu_run(CPU, SHORT, procs=1, epochs=1, checkpoint_dir=tmp_path)
     assert first.returncode == 0, first.stderr
     assert torch.load(tmp_path / "multi_gpu.pt", weights_only=True)["epoch"] == 1
-    resumed = multi_gpu_run(CPU, TINY, procs=1, checkpoint_dir=tmp_path, resume=True, plot=tmp_path / "curve.pdf")
+    resumed = multi_gpu_run(CPU, SHORT, procs=1, checkpoint_dir=tmp_path, resume=True, plot=tmp_path / "curve.pdf")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming after epoch 1" in resumed.stdout
     assert resumed.stdout.count("epoch 2 |") == 1 and "epoch 1 |" not in resumed.stdout
     result = last_json(resumed.stdout)
     curve = [(h["loss"], h["test_acc"]) for h in result["history"]]
-    reference = [(h["loss"], h["test_acc"]) for h in one_process["result"]["history"]]
+    reference = [(h["loss"], h["test_acc"]) for h in one_process_short["result"]["history"]]
     assert sum(curve, ()) == pytest.approx(sum(reference, ()), rel=1e-5)
-    torch.testing.assert_close(final_params(tmp_path), one_process["params"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(final_params(tmp_path), one_process_short["params"], rtol=0, atol=1e-6)
     assert result["s_per_epoch"] == result["history"][1]["seconds"] != result["history"][0]["seconds"]
-    assert result["samples_per_s"] == pytest.approx(TINY["limit_train"] / result["s_per_epoch"])
+    assert result["samples_per_s"] == pytest.approx(SHORT["limit_train"] / result["s_per_epoch"])
     assert (tmp_path / "curve.pdf").read_bytes().startswith(b"%PDF")
 
-    again = multi_gpu_run(CPU, TINY, procs=1, checkpoint_dir=tmp_path, resume=True)
+    again = multi_gpu_run(CPU, SHORT, procs=1, checkpoint_dir=tmp_path, resume=True)
     assert again.returncode == 0, again.stderr
     assert "resuming after epoch 2" in again.stdout and "epoch 2 |" not in again.stdout
     finished = last_json(again.stdout)
     assert finished["history"] == result["history"] and finished["s_per_epoch"] is None
 
 
-def test_resume_refuses_a_checkpoint_of_another_recipe(one_process):
-    proc = multi_gpu_run(CPU, TINY, procs=1, lr=0.1, checkpoint_dir=one_process["dir"], resume=True, timeout=60)
+def test_resume_refuses_a_checkpoint_of_another_recipe(two_processes):
+    proc = multi_gpu_run(CPU, TINY, procs=1, lr=0.1, checkpoint_dir=two_processes["dir"], resume=True, timeout=60)
     assert_usage_error(proc, "multi_gpu.pt: written with", "--resume")
 
 
