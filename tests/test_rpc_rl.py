@@ -90,14 +90,18 @@ cartpole.CartPoleEnv.step = counted_step
 """
 
 
+def with_sitecustomize(folder, source):
+    """The environment of a run whose every process imports `source` as it starts (sitecustomize.py in `folder`)."""
+    (folder / "sitecustomize.py").write_text(source)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
 def step_counter(folder):
     """(the environment of a run whose CartPole steps are counted in `folder`, and a function that reads the counts:
     {RPC worker name: [steps of each process of that name, in the order they first stepped]})."""
     counts = folder / "counts"
     counts.mkdir(parents=True)
-    (folder / "sitecustomize.py").write_text(STEP_COUNTER)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])),
-           "STEP_COUNT_DIR": str(counts)}
+    env = {**with_sitecustomize(folder, STEP_COUNTER), "STEP_COUNT_DIR": str(counts)}
 
     def read():
         steps = {}
@@ -360,8 +364,7 @@ gymnasium.envs.registry["CartPole-v1"].max_episode_steps = {TIME_LIMIT}
 
 
 def test_the_first_episode_that_reaches_the_time_limit_is_learned_from_differently_when_bootstrapped(tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(SHORT_TIME_LIMIT)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    env = with_sitecustomize(tmp_path, SHORT_TIME_LIMIT)
     terminal = finish(start_rpc_rl("--seed", 4, "--max-episodes", 10, "--truncation", "terminal", env=env))
     rewards = [reward for (reward,) in terminal["episode_rewards"]]
     assert max(rewards) == TIME_LIMIT, f"seed 4 no longer reaches {TIME_LIMIT} steps within 10 episodes: pick another"
