@@ -4,6 +4,7 @@ import functools
 import inspect
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -273,10 +274,23 @@ def torchrun_command(*args):
 
 
 def free_port():
-    """A TCP port on loopback that nothing listens on now (for torchrun's --master-port)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port on loopback that nothing listens on now (for torchrun's --master-port), drawn below the kernel's
+    ephemeral range. A port the kernel handed out (bind to port 0) is free again once the probe closes, and until the
+    run binds it, the kernel may hand it to any process that binds port 0 or connects: another test's TensorPipe,
+    gloo or TCPStore, which then gets this run's traffic (a TensorPipe agent aborts on it, and the TCPStore client
+    here fails or hangs). The kernel never hands out a port below the range."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range starts at 49152
+        low = 49152
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 100):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                continue
+            return port
+    raise AssertionError(f"no free port below {low} in 100 tries")
 
 
 def kill_all(*processes, pids=()):

@@ -10,7 +10,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from conftest import (
     assert_usage_error,
     data_folder,
     first_visible_gpu,
+    free_port,
     last_json,
     needs_gpus,
     start_script,
@@ -450,12 +450,6 @@ def bad_input_folder(folder, data):
     (folder / "empty").mkdir()
     (folder / "unreadable").mkdir(mode=0)
     (folder / "read-only").mkdir(mode=0o500)
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.parametrize("what, args, fragments", BAD_INPUT, ids=[case[0] for case in BAD_INPUT])
