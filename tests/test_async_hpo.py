@@ -358,6 +358,7 @@ BAD_INPUT = [  # (what, flags, words the one line must hold); {tmp}: a fresh fol
     ("negative workers", ["--n-workers", "-2"], ["--n-workers -2"]),
     ("workers not a whole number", ["--n-workers", "1.5"], ["--n-workers 1.5"]),
     ("workers in hexadecimal", ["--n-workers", "0x10"], ["--n-workers 0x10"]),
+    ("workers holding a newline", ["--n-workers", "1\n2"], ["--n-workers 1\\n2: not a whole number"]),  # new
     ("workers beyond int64", ["--n-workers", "99999999999999999999"], ["--n-workers 99999999999999999999"]),
     ("a typo's thousands of workers", ["--n-workers", "100000"], ["--n-workers 100000", "--oversubscribe"]),
     ("zero budget", ["--max-wallclock-time", "0"], ["--max-wallclock-time 0", "positive number of seconds"]),

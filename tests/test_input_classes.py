@@ -2,7 +2,8 @@
 case run against the scripts as a user would meet it: output that breaks (`| head -1`, `> /dev/full`, a closed or
 read-only stdout), sizes this machine cannot hold, the open-file limit, a small or full /dev/shm, environment
 variables that torch's backends read set wrong, Ctrl-C, and paths the run cannot write (a read-only mount found
-before anything starts, a disk that fills up mid-run). A table's rows give the script, its flags, the environment or
+before anything starts, a disk that fills up mid-run), and values that would break the one line (a line break or a
+terminal's escape code in a value). A table's rows give the script, its flags, the environment or
 setup, the exit status and what stderr says; every row includes the issue's examples and at least one case nobody
 listed. Each run asserts the exact exit status, stderr (empty, or one line without a traceback) and that nothing it
 started is left running: every process that carries the run's marker in its environment has ended."""
@@ -612,3 +613,31 @@ def test_a_disk_that_fills_up_keeps_the_previous_checkpoint(paths, tmp_path):
     saved = common.load_checkpoint(kept / "multi_gpu.pt", "multi_gpu", "--resume", keys=("params", "history"))
     assert saved["epoch"] == 1 and len(saved["history"]) == 1
     assert not torch.equal(saved["params"], multi_gpu.init_params(0))
+
+
+# --- 8. Values that would break the line: a line break or a terminal's escape code in a value ---
+
+ESCAPES = {
+    # nobody listed: a path holding a newline (a shell's $'...', a pasted value), as the flag's rule reports it
+    "rpc_rl --save holding a newline (new)": Case(
+        "rpc_rl.py", ["--save", "{tmp}/no\nsuch/policy.pt"], "in-process", 2,
+        ("--save {tmp}/no\\nsuch/policy.pt: folder {tmp}/no\\nsuch does not",)),
+    # nobody listed: a terminal's escape code (red text) in a number
+    "multi_gpu --seed holding an escape code (new)": Case("multi_gpu.py", ["--seed", "1\x1b[31m"], "in-process", 2,
+                                                         ("--seed 1\\x1b[31m: not a seed",)),
+    # nobody listed: a Unicode line separator in an argument that argparse itself refuses
+    "rpc_rnn, an unknown argument holding a line separator (new)": Case(
+        "rpc_rnn.py", ["--data-dir", "{text}", "--emsize\u20288"], "in-process", 2,
+        ("unrecognized arguments: --emsize\\u20288",)),
+}
+
+
+@pytest.mark.parametrize("name", cases(ESCAPES))
+def test_values_that_would_break_the_line(name, paths, tmp_path, monkeypatch, capsys):
+    """A value holding a line break or a terminal's escape code shows in the error as Python writes it in a string:
+    the error stays one line, and shows what was typed (main in this process, mp.spawn failing the test)."""
+    case = ESCAPES[name]
+    argv = filled(case.argv, paths, tmp_path)
+    status, out, err = main_in_process(MODULES[case.script], argv, {}, monkeypatch, capsys)
+    assert_says(err, case.status, case.script, *(says.format(tmp=tmp_path) for says in case.says), returncode=status)
+    assert out == "" and "\x1b" not in err and list(tmp_path.iterdir()) == []
