@@ -146,7 +146,8 @@ Positive = Annotated[int, "N", _number(int, 1, INT64, "a whole number, 1 or more
 NonNegative = Annotated[int, "N", _number(int, 0, INT64, "a whole number, 0 or more")]
 Seed = Annotated[int, "N", _number(int, 0, 2**32 - 1, "a seed from 0 to 2**32 - 1 (numpy's range)")]
 PositiveFloat = Annotated[float, "X", _number(float, 5e-324, FLOAT_MAX, "a positive number")]
-Seconds = Annotated[float, "SECONDS", _number(float, 5e-324, FLOAT_MAX, "a positive number of seconds")]
+# torch's RPC keeps a timeout in 32-bit milliseconds (beyond: negative, every RPC fails) and takes under 1 ms as none
+Seconds = Annotated[float, "SECONDS", _number(float, 0.001, 2_147_483, "a number of seconds from 0.001 to 2147483")]
 InFile = Annotated[str, "FILE", input_file]
 OutFile = Annotated[str, "FILE", output_file]
 OutDir = Annotated[str, "DIR", output_dir]

@@ -171,8 +171,11 @@ BAD_VALUES = [  # (flag, value, the start of the message after "--flag value: ")
     ("count", str(2**63), "not a whole number, 1 or more"), ("skip", "-1", "not a whole number, 0 or more"),
     ("seed", "-1", "not a seed"), ("seed", str(2**32), "not a seed"), ("seed", "1e3", "not a seed"),
     ("rate", "0", "not a positive number"), ("rate", "nan", "not a positive number"),
-    ("rate", "inf", "not a positive number"), ("wait", "10m", "not a positive number of seconds"),
-    ("wait", "-5", "not a positive number of seconds"), ("shift", "nan", "not a finite number"),
+    ("rate", "inf", "not a positive number"), ("wait", "10m", "not a number of seconds from 0.001 to 2147483"),
+    ("wait", "-5", "not a number of seconds from 0.001 to 2147483"),
+    ("wait", "0.0009", "not a number of seconds from 0.001 to 2147483"),  # under 1 ms: no timeout
+    ("wait", "2147484", "not a number of seconds from 0.001 to 2147483"),  # beyond 32-bit milliseconds
+    ("shift", "nan", "not a finite number"),
     ("shift", "-inf", "not a finite number"), ("big", str(-2**63 - 1), "not a whole number that fits"),
     ("name", "", "an empty value"), ("load", "", "an empty value"), ("save", "", "an empty value"),
     ("out", "", "an empty value"), ("data", "", "an empty value"),
@@ -207,11 +210,12 @@ def test_every_kind_of_value_has_one_rule_checked_as_it_is_parsed(flag, value, m
 def test_good_values_pass_every_rule(tmp_path):
     (tmp_path / "file").write_text("x")
     args = common.parse_args(Kinds, ["--count", "3", "--skip", "0", "--seed", str(2**32 - 1), "--rate", "1e-9",
-                                     "--wait", "0.5", "--shift", "-2", "--big", str(-2**63), "--load",
+                                     "--wait", "2147483", "--shift", "-2", "--big", str(-2**63), "--load",
                                      str(tmp_path / "file"), "--save", str(tmp_path / "file"), "--out",
                                      str(tmp_path / "a" / "b"), "--data",
                                      str(tmp_path / "new"), "--name", "x"])
     assert (args.count, args.seed, args.big, args.out) == (3, 2**32 - 1, -2**63, str(tmp_path / "a" / "b"))
+    assert args.wait == 2147483
     assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]  # folders are made by the run, not here
 
 

@@ -617,9 +617,11 @@ BAD_INVOCATIONS = [
     ("--gamma 1.5 --truncation terminal", "--gamma 1.5: pass a discount factor below 1"),  # new
     ("--lr 0", "--lr 0: not a positive number"),
     ("--lr -0.001", "--lr -0.001: not a positive number"),
-    ("--rpc-timeout 0", "--rpc-timeout 0: not a positive number of seconds"),
-    ("--rpc-timeout=-inf", "--rpc-timeout -inf: not a positive number of seconds"),
-    ("--rpc-timeout 10m", "--rpc-timeout 10m: not a positive number of seconds"),  # new
+    ("--rpc-timeout 0", "--rpc-timeout 0: not a number of seconds from 0.001"),
+    ("--rpc-timeout 0.0009", "--rpc-timeout 0.0009: not a number of seconds from"),  # new: RPC would take it as none
+    ("--rpc-timeout 3e6", "--rpc-timeout 3e6: not a number of seconds from"),  # new: 35 days, beyond 32-bit ms
+    ("--rpc-timeout=-inf", "--rpc-timeout -inf: not a number of seconds from 0.001"),
+    ("--rpc-timeout 10m", "--rpc-timeout 10m: not a number of seconds from 0.001"),  # new
     ("--log-interval 0", "--log-interval 0: not a whole number, 1 or more"),
     ("--checkpoint-interval 0", "--checkpoint-interval 0: not a whole number, 1 or more"),
     ("--seed -1", "--seed -1: not a seed from 0 to 2**32 - 1"),

@@ -563,8 +563,10 @@ def bad_invocations(text_dir, trained, tmp):
         "clip-inf": bad([*data, "--clip", "inf"], "--clip inf: not a positive number"),
         "dropout-one": bad([*data, "--dropout", "1"], "--dropout 1.0: not from 0 up to, not including, 1"),
         "dropout-negative": bad([*data, "--dropout", "-0.1"], "--dropout -0.1: not from 0"),
-        "rpc-timeout-zero": bad([*data, "--rpc-timeout", "0"], "--rpc-timeout 0: not a positive number of seconds"),
-        "rpc-timeout-with-a-unit": bad([*data, "--rpc-timeout", "10m"], "--rpc-timeout 10m: not a positive number"),
+        "rpc-timeout-zero": bad([*data, "--rpc-timeout", "0"], "--rpc-timeout 0: not a number of seconds from 0.001"),
+        "rpc-timeout-with-a-unit": bad([*data, "--rpc-timeout", "10m"], "--rpc-timeout 10m: not a number of seconds"),
+        # new: beyond 32-bit milliseconds, where every RPC would fail at once as if its peer were lost
+        "rpc-timeout-of-a-month": bad([*data, "--rpc-timeout", "2592000"], "--rpc-timeout 2592000: not a number of"),
         "seed-of-20-digits": bad([*data, "--seed", "12345678901234567890"], "a seed from 0 to 2**32 - 1"),
         "seed-negative": bad([*data, "--seed", "-1"], "--seed -1: not a seed"),
         "emsize-beyond-int64": bad([*data, "--emsize", "9" * 20], "not a whole number, 1 or more"),
@@ -664,7 +666,8 @@ def bad_invocations(text_dir, trained, tmp):
 
 BAD_CASES = [
     "bptt-zero", "batch-size-negative", "lr-nan", "clip-inf", "dropout-one", "dropout-negative", "rpc-timeout-zero",
-    "rpc-timeout-with-a-unit", "seed-of-20-digits", "seed-negative", "emsize-beyond-int64", "max-batches-fraction",
+    "rpc-timeout-with-a-unit", "rpc-timeout-of-a-month", "seed-of-20-digits", "seed-negative", "emsize-beyond-int64",
+    "max-batches-fraction",
     "generate-zero", "temperature-zero", "checkpoint-dir-empty", "data-dir-empty", "save-empty", "load-empty",
     "save-name-too-long", "data-dir-name-too-long", "checkpoint-dir-name-too-long", "save-to-dev-null",
     "save-to-a-fifo", "load-a-fifo", "checkpoint-dir-dev-null", "data-dir-dev-null", "save-under-a-file",
