@@ -175,7 +175,7 @@ def _fields_in_source(args_cls):
     return docs, groups
 
 
-def escaped(text):
+def _escaped(text):
     """text as one line that shows what was typed: each character that is not printable (a newline in a path, a
     terminal's escape code) written as Python writes it in a string, \\n or \\x1b."""
     return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
@@ -183,7 +183,7 @@ def escaped(text):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, where argparse prints the usage first
-        self.exit(2, f"{self.prog}: error: {escaped(message)} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {_escaped(message)} (see --help)\n")
 
 
 def parse_args(args_cls, argv=None):
@@ -252,7 +252,7 @@ def one_line(error, sizes=None):
     text = error.msg if isinstance(error, mp.ProcessRaisedException) else f"{type(error).__name__}: {error}"
     allocation = re.search(r"(?:[Tt]ried to allocate|Unable to allocate) ([\d.]+) ?(\w+)", text)
     if isinstance(error, (UsageError, RunFailed)):
-        return f"{prog}: error: {escaped(str(error))}", error.status
+        return f"{prog}: error: {_escaped(str(error))}", error.status
     if isinstance(error, BrokenPipeError):
         return "", 141
     if isinstance(error, OSError) and error.filename is None and error.errno in (errno.ENOSPC, errno.EIO, errno.EBADF):
