@@ -573,6 +573,9 @@ def bad_invocations(text_dir, trained, tmp):
         "max-batches-fraction": bad([*data, "--max-batches", "1.5"], "--max-batches 1.5: not a whole number"),
         "generate-zero": bad([*generate, trained["save"], "--generate", "0"], "--generate 0: not a whole number"),
         "temperature-zero": bad([*generate, trained["save"], "--temperature", "0"], "--temperature 0: not a positive"),
+        # new: logits / 1e-320 overflow, and sampling raised (word_language_model's generate.py refuses below 1e-3)
+        "temperature-below-the-floor": bad([*generate, trained["save"], "--temperature", "1e-320"],
+                                           "--temperature 1e-320: below the tutorial's floor; pass 1e-3 or more"),
         # empty values: an unset $VARIABLE is an error, never "not given"
         "checkpoint-dir-empty": bad([*data, "--checkpoint-dir", ""], "--checkpoint-dir '': an empty value"),
         "data-dir-empty": bad(["--data-dir", ""], "--data-dir '': an empty value"),
@@ -668,7 +671,8 @@ BAD_CASES = [
     "bptt-zero", "batch-size-negative", "lr-nan", "clip-inf", "dropout-one", "dropout-negative", "rpc-timeout-zero",
     "rpc-timeout-with-a-unit", "rpc-timeout-of-a-month", "seed-of-20-digits", "seed-negative", "emsize-beyond-int64",
     "max-batches-fraction",
-    "generate-zero", "temperature-zero", "checkpoint-dir-empty", "data-dir-empty", "save-empty", "load-empty",
+    "generate-zero", "temperature-zero", "temperature-below-the-floor", "checkpoint-dir-empty", "data-dir-empty",
+    "save-empty", "load-empty",
     "save-name-too-long", "data-dir-name-too-long", "checkpoint-dir-name-too-long", "save-to-dev-null",
     "save-to-a-fifo", "load-a-fifo", "checkpoint-dir-dev-null", "data-dir-dev-null", "save-under-a-file",
     "checkpoint-dir-under-a-file", "data-dir-is-a-file", "save-is-a-folder", "save-in-a-missing-folder",
