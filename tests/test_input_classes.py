@@ -1,12 +1,12 @@
-"""The input classes of issue 25's "Inputs nobody listed" that rules in common.py handle, one table per class, each
-case run against the scripts as a user would meet it: output that breaks (`| head -1`, `> /dev/full`, a closed or
-read-only stdout), sizes this machine cannot hold, the open-file limit, a small or full /dev/shm, environment
-variables that torch's backends read set wrong, Ctrl-C, and paths the run cannot write (a read-only mount found
-before anything starts, a disk that fills up mid-run), and values that would break the one line (a line break or a
-terminal's escape code in a value). A table's rows give the script, its flags, the environment or
-setup, the exit status and what stderr says; every row includes the issue's examples and at least one case nobody
-listed. Each run asserts the exact exit status, stderr (empty, or one line without a traceback) and that nothing it
-started is left running: every process that carries the run's marker in its environment has ended."""
+"""The input classes of issue 25's "Inputs nobody listed" that rules in common.py handle, one table per class, each case
+run against the scripts as a user would meet it: output that breaks (`| head -1`, `> /dev/full`, a closed or read-only
+stdout), sizes this machine cannot hold, the open-file limit, a small or full /dev/shm, environment variables that
+torch's backends read set wrong, Ctrl-C, and paths the run cannot write (a read-only mount found before anything starts,
+a disk that fills up mid-run), and values that would break the one line (a line break or a terminal's escape code in a
+value). A table's rows give the script, its flags, the environment or setup, the exit status and what stderr says; every
+row includes the issue's examples and at least one case nobody listed. Each run asserts the exact exit status, stderr
+(empty, or one line without a traceback) and that nothing it started is left running: every process that carries the
+run's marker in its environment has ended."""
 
 import contextlib
 import fcntl
