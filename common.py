@@ -583,6 +583,18 @@ def save_figure(figure, path, flag=None, kept="the previous file, if any, is int
     write_or_fail(path, data.getvalue(), flag, kept)
 
 
+def checkpoint_file(folder, name, save=None):
+    """The file `name` in `folder` (--checkpoint-dir) that the run writes its checkpoints to, checked before any work:
+    nothing yet or a file the run may replace (output_file), and not the file --save writes, which would write over
+    it."""
+    path = os.path.join(folder, name)
+    if os.path.isdir(folder):  # else output_dir has checked that the run can create it
+        output_file("--checkpoint-dir", path)
+    check(not save or os.path.realpath(save) != os.path.realpath(path),
+          f"--save {save}: the checkpoint that --checkpoint-dir writes; pass another file")
+    return path
+
+
 def save_checkpoint(path, script, state, flag=None):
     """torch.save of `state` (a dict) and the script's name, through write_or_fail: torch.load(path)["key"] reads
     it back."""

@@ -359,9 +359,7 @@ def read_checkpoint(args):
     """The checkpoint to resume from, verified (common.load_checkpoint) and checked against this run (its recipe, its
     parameters, its epochs), after a line on stdout that says so. None without --resume or before the first
     checkpoint is written."""
-    path = Path(args.checkpoint_dir, CHECKPOINT)
-    if path.parent.is_dir():  # a file this run may replace, or nothing yet
-        common.output_file("--checkpoint-dir", str(path))
+    path = Path(common.checkpoint_file(args.checkpoint_dir, CHECKPOINT))
     if not (args.resume and path.exists()):
         return None
     saved = common.load_checkpoint(path, "multi_gpu", "--resume", keys=("params", "history", "recipe"))

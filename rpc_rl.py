@@ -332,9 +332,7 @@ def read_checkpoint(args):
     """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one (after a line
     that says so), else the policy of --load, else None (a new policy). Read once, before any process starts, and
     checked to fit the policy."""
-    path = checkpoint_path(args) if args.checkpoint_dir else None
-    if path and os.path.lexists(path):  # a file the run may replace: not a folder, a FIFO, a dead link
-        common.output_file("--checkpoint-dir", path)
+    path = common.checkpoint_file(args.checkpoint_dir, "rpc_rl.pt", args.save) if args.checkpoint_dir else None
     if args.resume and os.path.exists(path):  # (validate: --resume comes with --checkpoint-dir)
         check(not args.load, f"--load {args.load}: --resume continues the checkpoint in {args.checkpoint_dir} instead; "
                              f"drop --load, or pass another --checkpoint-dir")

@@ -130,9 +130,6 @@ def validate(args):
     check(args.checkpoint_dir or not args.resume, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
                                         "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
-    if args.save and args.checkpoint_dir:
-        check(Path(args.save).resolve() != Path(args.checkpoint_dir, CHECKPOINT).resolve(),
-              f"--save {args.save} is the checkpoint of --checkpoint-dir; pass another file")
     if args.generate:  # one process samples from --load, with its model and its words: the rest is for training
         common.check_used(args, **{field.name: "to train, not with --generate" for field in dataclasses.fields(args)
                                    if field.name not in ("generate", "load", "temperature", "seed")})
@@ -141,6 +138,8 @@ def validate(args):
     if args.check_gradients:
         common.check_used(args, **{name: "to train, not with --check-gradients" for name in
                                    ("epochs", "log_interval", "save", "checkpoint_dir", "resume")})
+    if args.checkpoint_dir:
+        common.checkpoint_file(args.checkpoint_dir, CHECKPOINT, args.save)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -502,7 +501,6 @@ def read_checkpoint(args):
     path = Path(args.checkpoint_dir, CHECKPOINT)
     if not (path.is_symlink() or path.exists()):
         return None
-    common.output_file("--checkpoint-dir", str(path))  # a file the run may replace: not a folder, a dead link, ...
     saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=("model", "vocab", "config", "recipe", "run"))
     differ = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
                        if recipe(args).get(name) != value)

@@ -664,6 +664,11 @@ BAD_INVOCATIONS = [
     ("--checkpoint-dir {tmp}/" + "c" * 300, "File name too long"),  # new
     ("--checkpoint-dir {tmp}/ckpt_folder --resume", "--checkpoint-dir {tmp}/ckpt_folder/rpc_rl.pt: not a regular "
                                                     "file"),
+    ("--checkpoint-dir {tmp}/ckpt_folder", "--checkpoint-dir {tmp}/ckpt_folder/rpc_rl.pt: not a regular file"),
+    # two outputs on one file: the policy of --save would replace the last checkpoint, and --resume would refuse it
+    ("--checkpoint-dir {tmp}/ckpt_lr --save {tmp}/ckpt_lr/rpc_rl.pt", "--save {tmp}/ckpt_lr/rpc_rl.pt: the checkpoint "
+                                                                     "that --checkpoint-dir writes; pass another file"),
+    ("--checkpoint-dir {tmp}/ckpt_lr --save {tmp}/folder/../ckpt_lr/rpc_rl.pt", "the checkpoint that --checkpoint-dir"),
     ("--checkpoint-dir {tmp}/ckpt_fifo --resume", "--checkpoint-dir {tmp}/ckpt_fifo/rpc_rl.pt: not a regular file"),
     ("--checkpoint-dir {tmp}/ckpt_link --resume", "--checkpoint-dir {tmp}/ckpt_link/rpc_rl.pt: a link to nothing; pass "
                                                  "a file name"),  # left as it is: tree() reads links, not targets

@@ -601,8 +601,13 @@ def bad_invocations(text_dir, trained, tmp):
                                              f"file name"),  # the link left as it is: tree() reads links, not targets
         "checkpoint-is-a-folder": bad([*data, "--checkpoint-dir", tmp / "folder-checkpoint", "--resume"],
                                       "rpc_rnn.pt: not a regular file"),
+        "checkpoint-is-a-folder-without-resume": bad([*data, "--checkpoint-dir", tmp / "folder-checkpoint"],
+                                                     "rpc_rnn.pt: not a regular file"),  # found after an epoch before
         "save-is-the-checkpoint": bad([*data, "--checkpoint-dir", resume_dir, "--save", resume_dir / "rpc_rnn.pt"],
-                                      "is the checkpoint of --checkpoint-dir"),
+                                      "rpc_rnn.pt: the checkpoint that --checkpoint-dir writes; pass another file"),
+        "save-is-the-checkpoint-by-another-path": bad([*data, "--checkpoint-dir", resume_dir, "--save",
+                                                       tmp / "empty-folder" / ".." / "resume" / "rpc_rnn.pt"],
+                                                      "the checkpoint that --checkpoint-dir writes"),
         "load-missing": bad([*generate, tmp / "nothing.pt"], "no such file"),
         "load-is-a-folder": bad([*generate, tmp], "not a regular file; pass a file"),
         # flags that do not go together
@@ -675,8 +680,9 @@ BAD_CASES = [
     "save-name-too-long", "data-dir-name-too-long", "checkpoint-dir-name-too-long", "save-to-dev-null",
     "save-to-a-fifo", "load-a-fifo", "checkpoint-dir-dev-null", "data-dir-dev-null", "save-under-a-file",
     "checkpoint-dir-under-a-file", "data-dir-is-a-file", "save-is-a-folder", "save-in-a-missing-folder",
-    "checkpoint-dir-is-a-file", "checkpoint-is-a-folder", "save-is-the-checkpoint", "load-missing",
-    "load-is-a-folder", "resume-without-checkpoint-dir", "load-without-generate", "generate-without-load",
+    "checkpoint-dir-is-a-file", "checkpoint-is-a-folder", "checkpoint-is-a-folder-without-resume",
+    "save-is-the-checkpoint", "save-is-the-checkpoint-by-another-path", "load-missing", "load-is-a-folder",
+    "resume-without-checkpoint-dir", "load-without-generate", "generate-without-load",
     "check-gradients-with-dropout", "cuda-without-gpu", "rank-without-master-addr",
     "rank-world-size-local-rank-only", "rank-not-below-world-size", "master-port-out-of-range", "three-processes",
     "load-garbage", "load-truncated", "load-of-another-script", "load-damaged",
