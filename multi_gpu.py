@@ -408,6 +408,9 @@ def validate(args):
                                                f"processes, and every process needs a shard; pass a larger one")
     common.check((args.limit_train or 0) <= common.FASHION_MNIST_TRAIN, f"--limit-train {args.limit_train}: more "
                  f"than the {common.FASHION_MNIST_TRAIN} training images; pass fewer, or leave it out to train on all")
+    images = args.limit_train or common.FASHION_MNIST_TRAIN
+    common.check(args.batch_size <= images, f"--batch-size {args.batch_size}: more than the {images} training images, "
+                 f"so no minibatch would be that large; pass at most {images}")
     common.check((args.limit_test or 0) <= common.FASHION_MNIST_TEST, f"--limit-test {args.limit_test}: more than "
                  f"the {common.FASHION_MNIST_TEST} test images; pass fewer, or leave it out to score on all")
     if args.lr_scaling == "none":

@@ -493,6 +493,11 @@ BAD_INPUT = {
     "limit train 0": (["--limit-train", 0], ["--limit-train 0: not a whole number, 1 or more"], None, None),
     "limit train above the training set (new)": (["--limit-train", 60_001], ["--limit-train 60001: more than the "
                                                                              "60000 training images"], None, None),
+    "batch size above the training set (new)": (["--limit-train", 1000, "--batch-size", 1001], ["--batch-size 1001: "
+                                                "more than the 1000 training images", "pass at most 1000"], None, None),
+    "batch per device above the training set (new)": (["--gpus", 0, "--procs", 2, "--batch-per-device", 30_001],
+                                                      ["--batch-size 60002: more than the 60000 training images"],
+                                                      None, None),
     "limit test above the test set (new)": (["--limit-test", 10_001], ["--limit-test 10001: more than the 10000 test "
                                                                        "images"], None, None),
     "batch per device 0": (["--batch-per-device", 0], ["--batch-per-device 0: not a whole number"], None, None),
