@@ -389,12 +389,14 @@ def rendezvous(world_size):
     socket they open on loopback (listen_on_loopback); torch's C++ warnings off, unless
     set; and Ctrl-C ignored until join: the processes that mp.spawn starts meanwhile inherit that until their
     worker takes Ctrl-C back, since one interrupted while it starts (reading what mp.spawn sends it, importing torch)
-    would print a traceback."""
+    would print a traceback. SIGTERM (a job scheduler's stop, `timeout`) ends the launcher as sys.exit(143) does,
+    quietly, as a shell reports that signal, but through this block: the processes are stopped, the folder removed."""
     check_machine(world_size)
     listen_on_loopback()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not the peers' C++ warnings when a process dies
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    terminate = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory(prefix="rendezvous-") as folder:
         try:
             yield f"file://{folder}/store"
@@ -402,6 +404,7 @@ def rendezvous(world_size):
             for process in mp.active_children():
                 process.kill()
             signal.signal(signal.SIGINT, interrupt)
+            signal.signal(signal.SIGTERM, terminate)
 
 
 def join(processes):

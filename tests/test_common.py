@@ -412,10 +412,13 @@ SLEEPING_WORKERS = textwrap.dedent("""
 
 
 @pytest.fixture
-def sleeping_run(tmp_path):
-    """A launcher whose two spawned processes meet in a barrier every 10 ms (a 3 s timeout), and its processes."""
+def sleeping_run(tmp_path, monkeypatch):
+    """A launcher whose two spawned processes meet in a barrier every 10 ms (a 3 s timeout), and its processes. Its
+    temporary folder (TMPDIR, where common.rendezvous makes its folder) is tmp_path/tmp."""
     script = tmp_path / "sleeping.py"
     script.write_text(SLEEPING_WORKERS.format(repo=str(REPO)))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     proc = start_script(script)
     workers = []
     try:
@@ -453,6 +456,19 @@ def test_a_killed_launcher_takes_its_processes_with_it(sleeping_run):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     assert_all_ended(workers, timeout=3)
+
+
+def test_a_terminated_launcher_stops_its_processes_and_removes_its_folder(sleeping_run, tmp_path):
+    """SIGTERM on the launcher (a job scheduler's stop): exit status 143 without a line, as a shell reports that
+    signal, every process stopped, and the rendezvous folder gone (common.rendezvous). Python's default for SIGTERM
+    would end the launcher where it stands, killed by the signal, and leave the folder behind."""
+    proc, workers = sleeping_run
+    assert [path.name[:11] for path in (tmp_path / "tmp").iterdir()] == ["rendezvous-"]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
+    assert proc.returncode == 128 + signal.SIGTERM and proc.stderr.read() == ""
+    assert_all_ended(workers, timeout=3)
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 # --- The shared layer's rules, one by one: one_line, check_used, check_memory, check_machine, listen_on_loopback ---
