@@ -389,8 +389,8 @@ def rendezvous(world_size):
     socket they open on loopback (listen_on_loopback); torch's C++ warnings off, unless
     set; and Ctrl-C ignored until join: the processes that mp.spawn starts meanwhile inherit that until their
     worker takes Ctrl-C back, since one interrupted while it starts (reading what mp.spawn sends it, importing torch)
-    would print a traceback. SIGTERM (a job scheduler's stop, `timeout`) ends the launcher as sys.exit(143) does,
-    quietly, as a shell reports that signal, but through this block: the processes are stopped, the folder removed."""
+    would print a traceback. SIGTERM (a job scheduler's stop, `timeout`) exits with status 143, as a shell reports that
+    signal, without a line, but through this block: the processes are stopped and the folder is removed."""
     check_machine(world_size)
     listen_on_loopback()
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # not the peers' C++ warnings when a process dies

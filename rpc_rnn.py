@@ -499,7 +499,7 @@ def read_checkpoint(args):
     verified (common.load_checkpoint; a checkpoint of another version lacks a key), and checked against these flags
     and the model they build (its vocabulary, once the text is read: load_run)."""
     path = Path(args.checkpoint_dir, CHECKPOINT)
-    if not (path.is_symlink() or path.exists()):
+    if not path.exists():  # (validate has refused a link to nothing)
         return None
     saved = common.load_checkpoint(path, SCRIPT, "--resume", keys=("model", "vocab", "config", "recipe", "run"))
     differ = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
