@@ -339,9 +339,12 @@ def read_checkpoint(args):
         saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
         check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
               f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
+        done = len(saved["episode_rewards"])
+        check(done <= args.max_episodes, f"--resume {path}: holds {done} episodes, more than --max-episodes "
+                                         f"{args.max_episodes}; pass a larger one")
         policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
         common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
-        print(f"resuming after episode {len(saved['episode_rewards'])} from {path}", flush=True)
+        print(f"resuming after episode {done} from {path}", flush=True)
         return saved
     if args.load:
         saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))

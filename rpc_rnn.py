@@ -505,6 +505,8 @@ def read_checkpoint(args):
     differ = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in saved["recipe"].items()
                        if recipe(args).get(name) != value)
     check(not differ, f"--resume {path}: written with {differ}; pass the same flags or another --checkpoint-dir")
+    check(saved["run"]["epoch"] - 1 <= args.epochs, f"--resume {path}: holds {saved['run']['epoch'] - 1} epochs, more "
+                                                    f"than --epochs {args.epochs}; pass a larger one")
     common.check_fits(LocalRNNModel(**saved["config"]), saved["model"], "--resume", path)
     return saved
 

@@ -582,6 +582,7 @@ def bad_files(tmp_path):
     (tmp_path / "ckpt_text").mkdir()
     (tmp_path / "ckpt_text" / "rpc_rl.pt").write_text("garbage")
     write_checkpoint_file(tmp_path / "ckpt_lr" / "rpc_rl.pt")  # written with --lr 0.01
+    write_checkpoint_file(tmp_path / "ckpt_30" / "rpc_rl.pt", episode_rewards=[[20.0]] * 30)
     common.save_checkpoint(tmp_path / "ckpt_policy_only" / "rpc_rl.pt", "rpc_rl", {"policy": wide})  # a --save file
     (tmp_path / "ckpt_folder" / "rpc_rl.pt").mkdir(parents=True)
     (tmp_path / "ckpt_fifo").mkdir()
@@ -685,6 +686,9 @@ BAD_INVOCATIONS = [
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --lr 0.02", "'lr': 0.01, 'truncation': 'bootstrap'}}, not {{"),
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --world-size 3", "pass the same flags or another --checkpoint-dir"),
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --truncation terminal", "pass the same flags"),  # new
+    # a --max-episodes the run would not use: it would stop at once and report the checkpoint's 30
+    ("--resume --checkpoint-dir {tmp}/ckpt_30 --max-episodes 20",
+     "--resume {tmp}/ckpt_30/rpc_rl.pt: holds 30 episodes, more than --max-episodes 20; pass a larger one"),
     ("--resume --checkpoint-dir {tmp}/ckpt_policy_only", "lacks recipe, optimizer, episode_rewards, running_reward, "
                                                          "rng"),
     ("--resume --checkpoint-dir {tmp}/ckpt_wide", "--resume {tmp}/ckpt_wide/rpc_rl.pt: does not fit this model (size "

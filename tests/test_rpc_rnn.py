@@ -652,6 +652,8 @@ def bad_invocations(text_dir, trained, tmp):
         "resume-damaged": bad([*data, *TRAIN, "--resume", "--checkpoint-dir",
                                damaged(trained["checkpoint"], tmp / "damaged" / "rpc_rnn.pt").parent], "damaged"),
         "resume-another-recipe": bad([*resume, "--emsize", "64"], "written with --emsize 48"),
+        "resume-fewer-epochs-than-done": bad([*resume, "--epochs", "1"], f"--resume {resume_dir}/rpc_rnn.pt: holds 2 "
+                                             f"epochs, more than --epochs 1; pass a larger one"),
         "resume-another-version": bad(in_dir("old", lambda saved: saved.pop("run")), "lacks run"),
         "resume-weights-that-do-not-fit": bad(in_dir("misfit", lambda saved: other_shape(
             saved["model"], "rnn.weight_hh_l0")), "does not fit this model"),
@@ -687,8 +689,8 @@ BAD_CASES = [
     "rank-world-size-local-rank-only", "rank-not-below-world-size", "master-port-out-of-range", "three-processes",
     "load-garbage", "load-truncated", "load-of-another-script", "load-damaged",
     "load-weights-that-do-not-fit-their-config", "resume-damaged", "resume-another-recipe",
-    "resume-another-version", "resume-weights-that-do-not-fit", "no-data-offline", "train-txt-is-a-folder",
-    "empty-corpus", "one-line-corpus", "not-utf8", "resume-another-text", "save-with-generate",
+    "resume-fewer-epochs-than-done", "resume-another-version", "resume-weights-that-do-not-fit", "no-data-offline",
+    "train-txt-is-a-folder", "empty-corpus", "one-line-corpus", "not-utf8", "resume-another-text", "save-with-generate",
     "save-with-check-gradients", "temperature-without-generate", "data-dir-with-generate",
     "epochs-with-check-gradients", "nhid-with-generate", "checkpoint-is-a-dangling-link",
 ]
