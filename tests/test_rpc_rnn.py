@@ -602,7 +602,7 @@ def bad_invocations(text_dir, trained, tmp):
         "checkpoint-is-a-folder": bad([*data, "--checkpoint-dir", tmp / "folder-checkpoint", "--resume"],
                                       "rpc_rnn.pt: not a regular file"),
         "checkpoint-is-a-folder-without-resume": bad([*data, "--checkpoint-dir", tmp / "folder-checkpoint"],
-                                                     "rpc_rnn.pt: not a regular file"),  # found after an epoch before
+                                                     "rpc_rnn.pt: not a regular file"),  # was found after epoch 1
         "save-is-the-checkpoint": bad([*data, "--checkpoint-dir", resume_dir, "--save", resume_dir / "rpc_rnn.pt"],
                                       "rpc_rnn.pt: the checkpoint that --checkpoint-dir writes; pass another file"),
         "save-is-the-checkpoint-by-another-path": bad([*data, "--checkpoint-dir", resume_dir, "--save",
