@@ -315,11 +315,8 @@ def numpy_probs(parameters, states, masks=1.0):
     return exp / exp.sum(axis=1, keepdims=True)
 
 
+CHECKPOINT = "rpc_rl.pt"  # the file in --checkpoint-dir
 CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "episode_rewards", "running_reward", "rng")
-
-
-def checkpoint_path(args):
-    return os.path.join(args.checkpoint_dir, "rpc_rl.pt")
 
 
 def recipe(args):
@@ -332,7 +329,7 @@ def read_checkpoint(args):
     """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one (after a line
     that says so), else the policy of --load, else None (a new policy). Read once, before any process starts, and
     checked to fit the policy."""
-    path = common.checkpoint_file(args.checkpoint_dir, "rpc_rl.pt", args.save) if args.checkpoint_dir else None
+    path = common.checkpoint_file(args.checkpoint_dir, CHECKPOINT, args.save) if args.checkpoint_dir else None
     if args.resume and os.path.exists(path):  # (validate: --resume comes with --checkpoint-dir)
         check(not args.load, f"--load {args.load}: --resume continues the checkpoint in {args.checkpoint_dir} instead; "
                              f"drop --load, or pass another --checkpoint-dir")
@@ -428,7 +425,7 @@ class BatchAgent(Agent):
         episode, args = len(self.episode_rewards), self.args
         if args.checkpoint_dir and (episode % args.checkpoint_interval == 0 or episode >= args.max_episodes
                                     or self.running_reward > self.reward_threshold):
-            common.save_checkpoint(checkpoint_path(args), "rpc_rl", {
+            common.save_checkpoint(os.path.join(args.checkpoint_dir, CHECKPOINT), "rpc_rl", {
                 "recipe": recipe(args), "policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "episode_rewards": self.episode_rewards, "running_reward": self.running_reward,
                 "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
