@@ -136,7 +136,7 @@ class Args:
     """run the trials as Ray tasks on the cluster at HOST:PORT, or auto for the one that `ray start` began on this
     machine; not given: trials run on this machine"""
     oversubscribe: bool = False
-    """allow more than 4 trials per CPU of this machine at once"""
+    """allow more than 4 trials at once, or 4 threads per trial, per CPU of this machine"""
 
 
 HOLDOUT_SIZE = 10_000
@@ -145,7 +145,8 @@ HOLDOUT_SIZE = 10_000
 def validate(args):
     """The rules that involve several flags or this machine (each flag's own rule was checked as it was parsed): one
     line and exit status 2 each, before any data is read."""
-    common.check_processes("--n-workers", args.n_workers, args.oversubscribe or args.ray_address is not None)
+    for flag, count in (("--n-workers", args.n_workers), ("--trial-threads", args.trial_threads or 1)):
+        common.check_processes(flag, count, args.oversubscribe or args.ray_address is not None)  # (Ray: see main)
     check(args.model == "lenet" or args.activation == "sigmoid",
           f"--activation {args.activation} is the convolutional network's; --model mlp uses ReLU: drop --activation")
     images = common.FASHION_MNIST_TRAIN - HOLDOUT_SIZE * args.holdout
@@ -570,10 +571,9 @@ def summarize(search, n_workers):
     """Trial counts by how they ended, and worker utilisation: busy trial time / (n_workers x wall time)."""
     wall, rows = search.ended_at - search.started_at, list(search.rows.values())
     count = {how: sum(row["status"] == how for row in rows) for how in ("completed", "stopped early", "failed")}
-    return {"trials_started": len(rows), "trials_finished": sum(count.values()), "trials_completed": count["completed"],
-            "trials_stopped_early": count["stopped early"], "trials_failed": count["failed"],
-            "utilisation": round(sum(row["busy_s"] for row in rows) / (n_workers * wall), 4),
-            "wall_time_s": round(wall, 1)}
+    return dict(trials_started=len(rows), trials_finished=sum(count.values()), trials_completed=count["completed"],
+                trials_stopped_early=count["stopped early"], trials_failed=count["failed"], wall_time_s=round(wall, 1),
+                utilisation=round(sum(row["busy_s"] for row in rows) / (n_workers * wall), 4))
 
 
 def report(args, search):

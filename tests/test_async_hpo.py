@@ -361,6 +361,7 @@ BAD_INPUT = [  # (what, flags, words the one line must hold); {tmp}: a fresh fol
     ("workers holding a newline", ["--n-workers", "1\n2"], ["--n-workers 1\\n2: not a whole number"]),  # new
     ("workers beyond int64", ["--n-workers", "99999999999999999999"], ["--n-workers 99999999999999999999"]),
     ("a typo's thousands of workers", ["--n-workers", "100000"], ["--n-workers 100000", "--oversubscribe"]),
+    ("a typo's thousands of threads", ["--trial-threads", "100000"], ["--trial-threads 100000", "4 per CPU"]),  # new
     ("zero budget", ["--max-wallclock-time", "0"], ["--max-wallclock-time 0", "number of seconds from 0.001"]),
     ("negative budget", ["--max-wallclock-time", "-60"], ["--max-wallclock-time -60"]),
     ("NaN budget", ["--max-wallclock-time", "nan"], ["--max-wallclock-time nan"]),

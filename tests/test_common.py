@@ -297,7 +297,7 @@ def test_torchrun_environment(monkeypatch):
 def test_process_counts_are_bounded_by_the_machine_unless_oversubscribed():
     limit = 4 * common.usable_cpus()
     common.check_processes("--procs", limit, oversubscribe=False)
-    with pytest.raises(common.UsageError, match=rf"--procs {limit + 1}: more than {limit} processes.*--oversubscribe"):
+    with pytest.raises(common.UsageError, match=rf"--procs {limit + 1}: more than {limit}, 4 per CPU.*--oversubscribe"):
         common.check_processes("--procs", limit + 1, oversubscribe=False)
     common.check_processes("--procs", 10 * limit, oversubscribe=True)
 
