@@ -218,8 +218,7 @@ def parse_args(args_cls, argv=None):
 
 
 def check_processes(flag, count, oversubscribe):
-    """At most 4 processes (or threads) per CPU of this machine unless --oversubscribe: a typo must not start thousands
-    (a trial given 100,000 threads dies of SIGSEGV)."""
+    """At most 4 processes or threads per CPU here, unless --oversubscribe: a typo must not start thousands."""
     limit = 4 * usable_cpus()
     check(count <= limit or oversubscribe, f"{flag} {count}: more than {limit}, 4 per CPU of this machine; pass a "
                                            f"smaller number, or --oversubscribe to start them anyway")
