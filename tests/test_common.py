@@ -448,14 +448,15 @@ def test_a_stopped_process_ends_the_run_when_its_peer_times_out(sleeping_run):
     assert_all_ended(workers, timeout=5)  # the stopped one included
 
 
-def test_a_killed_launcher_takes_its_processes_with_it(sleeping_run):
+def test_a_killed_launcher_takes_its_processes_with_it(sleeping_run, tmp_path):
     """The kernel sends each process SIGKILL as its parent dies (PR_SET_PDEATHSIG, common.worker): no timer is
     involved, so 3 s leaves a loaded machine room to tear the processes down; without it, they would go on meeting
-    in their barriers for minutes."""
+    in their barriers for minutes. The rendezvous folder stays, as README says: nothing is left to remove it."""
     proc, workers = sleeping_run
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     assert_all_ended(workers, timeout=3)
+    assert len(list((tmp_path / "tmp").glob("rendezvous-*"))) == 1
 
 
 def test_a_terminated_launcher_stops_its_processes_and_removes_its_folder(sleeping_run, tmp_path):

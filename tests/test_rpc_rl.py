@@ -431,11 +431,11 @@ def test_killed_observer_ends_the_run_in_one_line_keeps_the_last_checkpoint_and_
     assert [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
 
 
-def test_a_killed_launcher_leaves_nothing():
+def test_a_killed_launcher_leaves_nothing(tmp_path):
     """SIGKILL of `python rpc_rl.py --pin-cpus` itself (not a worker): its processes end within seconds. Until then,
     each ran on a CPU of its own, where this machine has one for each (a default run's are not pinned: see the
-    torchrun restart test)."""
-    proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1, "--pin-cpus")
+    torchrun restart test). Its rendezvous folder, which it cannot remove, goes to tmp_path (TMPDIR)."""
+    proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1, "--pin-cpus", env={"TMPDIR": str(tmp_path)})
     try:
         wait_for_line(proc, "episode 1 |", timeout=100)
         processes = psutil.Process(proc.pid).children(recursive=True)
