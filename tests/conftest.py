@@ -112,6 +112,14 @@ def data_folder(name="fashion-mnist"):
     return folder
 
 
+@pytest.fixture(autouse=True, scope="session")
+def temporary_files_under_pytest(tmp_path_factory):
+    """TMPDIR for every process the tests start: pytest's temporary tree, which pytest prunes, instead of /tmp. What a
+    killed or failed run cannot remove stays there: a rendezvous folder, mp.spawn's file of a process's traceback,
+    torchrun's folders. A test may set TMPDIR again, to see what a run leaves."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+
+
 @pytest.fixture
 def data_dir_args():
     """['--data-dir', the folder holding Fashion-MNIST] for the scripts (see data_folder)."""

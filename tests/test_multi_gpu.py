@@ -910,10 +910,8 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one
         kill_all(proc)
 
 
-def test_a_killed_launcher_takes_every_worker_with_it(tmp_path, monkeypatch):
-    """SIGKILL on `python multi_gpu.py` itself (it cannot clean up): every process it started ends within seconds.
-    Its rendezvous folder, which it cannot remove, goes to tmp_path (TMPDIR)."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def test_a_killed_launcher_takes_every_worker_with_it():
+    """SIGKILL on `python multi_gpu.py` itself (it cannot clean up): every process it started ends within seconds."""
     proc = start_long_run()
     try:
         wait_for_line(proc, "epoch 1 |")

@@ -431,11 +431,11 @@ def test_killed_observer_ends_the_run_in_one_line_keeps_the_last_checkpoint_and_
     assert [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
 
 
-def test_a_killed_launcher_leaves_nothing(tmp_path):
+def test_a_killed_launcher_leaves_nothing():
     """SIGKILL of `python rpc_rl.py --pin-cpus` itself (not a worker): its processes end within seconds. Until then,
     each ran on a CPU of its own, where this machine has one for each (a default run's are not pinned: see the
-    torchrun restart test). Its rendezvous folder, which it cannot remove, goes to tmp_path (TMPDIR)."""
-    proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1, "--pin-cpus", env={"TMPDIR": str(tmp_path)})
+    torchrun restart test)."""
+    proc = start_rpc_rl("--max-episodes", 5000, "--log-interval", 1, "--pin-cpus")
     try:
         wait_for_line(proc, "episode 1 |", timeout=100)
         processes = psutil.Process(proc.pid).children(recursive=True)
@@ -456,7 +456,7 @@ def test_a_killed_launcher_leaves_nothing(tmp_path):
 
 # TensorPipe and gloo on loopback (torchrun's defaults otherwise: a restarted round meets in torchrun's shared
 # store under keys of its own, see common.round_store)
-TORCHRUN_ENV = {**os.environ, "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+LOOPBACK = {"TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
@@ -468,7 +468,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_resumed_run_equals_an_uninter
     proc = subprocess.Popen(torchrun_command("--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "rpc_rl.py",
                                              "--seed", 3, "--max-episodes", 40, "--eval-episodes", 3, "--log-interval",
                                              1, "--checkpoint-dir", tmp_path, "--checkpoint-interval", 5, "--resume"),
-                            cwd=REPO, env={**TORCHRUN_ENV, **counting}, stdout=subprocess.PIPE,
+                            cwd=REPO, env={**os.environ, **LOOPBACK, **counting}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_for_line(proc, "episode 5 |", timeout=100)
@@ -508,7 +508,8 @@ def test_two_torchrun_nodes_on_loopback_give_the_rewards_of_the_spawned_run():
     nodes = [subprocess.Popen(torchrun_command("--nnodes", 2, "--node-rank", node, "--nproc-per-node", 1,
                                                "--master-addr", "127.0.0.1", "--master-port", port, "rpc_rl.py",
                                                "--max-episodes", 10, "--seed", 3),
-                              cwd=REPO, env=TORCHRUN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=REPO, env={**os.environ, **LOOPBACK}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
              for node in (1, 0)]
     try:
         outputs = [node.communicate(timeout=120) for node in nodes]

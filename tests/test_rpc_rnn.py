@@ -350,10 +350,7 @@ def test_ps_killed_ends_the_run_in_one_line_keeps_the_last_epochs_checkpoint_and
     assert [path.name for path in tmp_path.iterdir()] == ["rpc_rnn.pt"]
 
 
-def test_a_killed_launcher_leaves_nothing(text_dir, tmp_path, monkeypatch):
-    """SIGKILL of `python rpc_rnn.py` itself: both processes end within seconds. Its rendezvous folder, which it
-    cannot remove, goes to tmp_path (TMPDIR)."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def test_a_killed_launcher_leaves_nothing(text_dir):
     launcher = start_script("rpc_rnn.py", "--data-dir", text_dir, "--epochs", 50, "--log-interval", 1, *SMALL)
     try:
         wait_for_line(launcher, "ms/batch", timeout=90)
