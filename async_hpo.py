@@ -146,7 +146,7 @@ def validate(args):
     """The rules that involve several flags or this machine (each flag's own rule was checked as it was parsed): one
     line and exit status 2 each, before any data is read."""
     for flag, count in (("--n-workers", args.n_workers), ("--trial-threads", args.trial_threads or 1)):
-        common.check_processes(flag, count, args.oversubscribe or args.ray_address is not None)  # Ray's: in main
+        common.check_processes(flag, count, args.oversubscribe or args.ray_address is not None)  # on Ray, main checks
     check(args.model == "lenet" or args.activation == "sigmoid",
           f"--activation {args.activation} is the convolutional network's; --model mlp uses ReLU: drop --activation")
     images = common.FASHION_MNIST_TRAIN - HOLDOUT_SIZE * args.holdout
