@@ -640,8 +640,10 @@ def check_fits(target, state, flag, path):
 
 
 def emit_result(script, **figures):
-    """The run's last line: one JSON object that tests and benchmarks read."""
-    print(json.dumps({"script": script, **figures}), flush=True)
+    """The run's last line: one JSON object that tests and benchmarks read. Strict JSON, which has no NaN or Infinity:
+    a number that is not finite (the loss of a run that diverged) is null."""
+    text = json.dumps({"script": script, **figures})
+    print(json.dumps(json.loads(text, parse_constant=lambda constant: None)), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import http.server
+import json
 import os
 import re
 import signal
@@ -345,6 +346,19 @@ def test_a_figure_is_written_in_the_format_its_name_says(tmp_path, suffix, magic
     common.save_figure(figure, tmp_path / f"curve{suffix.upper()}")
     assert (tmp_path / f"curve{suffix.upper()}").read_bytes().startswith(magic)
     assert [path.name for path in tmp_path.iterdir()] == [f"curve{suffix.upper()}"]  # no temporary file left
+
+
+def test_the_result_line_is_strict_json_with_null_for_a_number_that_is_not_finite(capsys):
+    """A diverged run's loss (NaN) or perplexity (inf): Python's json writes NaN and Infinity, which JSON has not, and
+    strict parsers (JavaScript's JSON.parse) refuse the whole line. Text that spells them stays text."""
+    def strict(constant):
+        raise ValueError(f"{constant} is not JSON")
+    common.emit_result("demo", loss=float("nan"), ppl=float("inf"), history=[{"loss": float("-inf"), "acc": 0.5}],
+                       note="NaN Infinity")
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1 and line.endswith("\n"), line
+    assert json.loads(line, parse_constant=strict) == {"script": "demo", "loss": None, "ppl": None,
+                                                       "history": [{"loss": None, "acc": 0.5}], "note": "NaN Infinity"}
 
 
 RAISING_WORKER = textwrap.dedent("""
