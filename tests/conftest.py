@@ -20,11 +20,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-# The suite runs two tests at once on as many cores, so every process shares its cores: OpenMP's threads (torch's, on
-# CPU) that wait for work sleep at once instead of spinning for it first, which takes CPU from the other processes.
-# For this process and every one it starts; set before torch is imported, as the OpenMP library reads it when loaded.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 # Downloads through a proxy that is not there fail at once: "no network", on machines that have one too.
 OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
            "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
