@@ -181,6 +181,12 @@ def _escaped(text):
     return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
+def first_sentence(error):
+    """An error's message cut to its first sentence, at most 200 characters, for a one-line report: torch's run to
+    several sentences and lines."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0][:200]
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, where argparse prints the usage first
         self.exit(2, f"{self.prog}: error: {_escaped(message)} (see --help)\n")
@@ -334,8 +340,8 @@ def worker(run_worker):
             lost = isinstance(error, dist.DistError) or any(sign in str(error) for sign in LOST_PEER)
             if isinstance(error, RuntimeError) and lost:
                 time.sleep(0 if torchrun_env() else 1)
-                message, status = (f"process {rank} lost a peer ({str(error).strip().splitlines()[0][:200]}); the "
-                                   f"run ends, or under torchrun restarts if --max-restarts allows"), 1
+                message, status = (f"process {rank} lost a peer ({first_sentence(error)}); the run ends, or under "
+                                   f"torchrun restarts if --max-restarts allows"), 1
             elif one_line(error) is None:
                 raise
             else:
@@ -614,9 +620,8 @@ def load_checkpoint(path, script, flag, keys=()):
         damaged = zipfile.ZipFile(path).testzip()
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # not a zip, truncated, a type the safe loader refuses: the file is bad
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0][:200]
-        raise UsageError(f"{flag} {path}: not a readable checkpoint ({reason}); pass one written by {script}.py "
-                         f"or delete it") from None
+        raise UsageError(f"{flag} {path}: not a readable checkpoint ({first_sentence(error)}); pass one written by "
+                         f"{script}.py or delete it") from None
     check(damaged is None, f"{flag} {path}: damaged ({damaged} does not match its checksum); delete it or pass "
                            f"another checkpoint")
     origin = saved.get("script", "another program") if isinstance(saved, dict) else "another program"

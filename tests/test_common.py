@@ -403,6 +403,35 @@ def test_a_process_that_raises_ends_the_run_with_its_traceback(tmp_path):
     assert stderr.strip().splitlines()[-1] == "ValueError: a bug in process 1"
 
 
+LOST_PEER_WORKER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    import common
+
+    @common.worker
+    def run_worker(rank, world_size):
+        raise RuntimeError({message!r})
+
+    run_worker(0, 2)
+""")
+# gloo's message when a peer's connection drops, as a restart of multi_gpu.py under torchrun printed its first 200
+# characters (docs/walkthrough.md)
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:13191: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the applic")
+
+
+def test_a_lost_peer_is_one_line_that_ends_torchs_reason_at_its_first_sentence(tmp_path):
+    """A process whose peer is gone says so in one line, exit status 1, with torch's reason up to its first sentence's
+    end: gloo's goes on to a second sentence, which a cut at a set length would end mid-word."""
+    script = tmp_path / "lost.py"
+    script.write_text(LOST_PEER_WORKER.format(repo=str(REPO), message=GLOO_RESET))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == ("process 0 lost a peer ([/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:"
+                           "537] Read error [127.0.0.1]:13191: Connection reset by peer); the run ends, or under "
+                           "torchrun restarts if --max-restarts allows\n")
+
+
 SLEEPING_WORKERS = textwrap.dedent("""
     import sys, time, datetime, torch.distributed as dist, torch.multiprocessing as mp
     sys.path.insert(0, {repo!r})
