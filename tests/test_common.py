@@ -415,7 +415,7 @@ LOST_PEER_WORKER = textwrap.dedent("""
     run_worker(0, 2)
 """)
 # gloo's message when a peer's connection drops, as a restart of multi_gpu.py under torchrun printed its first 200
-# characters (docs/walkthrough.md)
+# characters on 2026-11-27 (docs/walkthrough.md tells of it)
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:13191: "
               "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the applic")
 
