@@ -617,12 +617,15 @@ def load_run(args):
     by the trainer, which mp.spawn sends only their paths (sent whole, they would travel through /dev/shm, which a
     container may keep too small, and make the start long enough for Ctrl-C to cut it short).
 
-    Each split must give every stream of its batch at least one window of two words; a --resume checkpoint must have
-    been written for this text; this machine must hold the model and a window's logits (each weight four times:
-    itself, its gradient, the best and the checkpointed copy; each logit three: itself, its softmax and its
-    gradient)."""
+    --save must not name a file of the text (written over it at the end); each split must give every stream of its
+    batch at least one window of two words; a --resume checkpoint must have been written for this text; this machine
+    must hold the model and a window's logits (each weight four times: itself, its gradient, the best and the
+    checkpointed copy; each logit three: itself, its softmax and its gradient)."""
     saved = read_checkpoint(args) if args.resume else None
-    corpus = Corpus(wikitext2_dir(args.data_dir))
+    folder = wikitext2_dir(args.data_dir)
+    check(not args.save or Path(args.save).resolve() not in [Path(folder, name).resolve() for name in WIKITEXT2_FILES],
+          f"--save {args.save}: a file of the text this run reads; pass another file")
+    corpus = Corpus(folder)
     for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):
         tokens = getattr(corpus, split).numel()
         check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {size} streams of 2 words or more; "

@@ -553,6 +553,7 @@ def bad_invocations(text_dir, trained, tmp):
     os.mkfifo(tmp / "fifo")
     (tmp / "dangling").mkdir()
     (tmp / "dangling" / "rpc_rnn.pt").symlink_to(tmp / "gone.pt")  # a link to nothing
+    (tmp / "text-link.txt").symlink_to(text_dir / "train.txt")
     too_long = "x" * 300
     generate = ["--generate", "5", "--load"]
     return {
@@ -669,6 +670,12 @@ def bad_invocations(text_dir, trained, tmp):
                                "or a smaller --batch-size", reads_data=True),
         "not-utf8": bad(["--data-dir", corpus_like(text_dir, tmp / "latin1", valid=b"caf\xe9\n")], "not UTF-8 text",
                         reads_data=True),
+        # --save would write the model over the text at the end of the run
+        "save-over-the-text": bad([*data, "--save", text_dir / "valid.txt"],
+                                  f"--save {text_dir}/valid.txt: a file of the text this run reads; pass another file",
+                                  reads_data=True),
+        "save-over-the-text-through-a-link": bad([*data, "--save", tmp / "text-link.txt"],
+                                                 "a file of the text this run reads", reads_data=True),
         "resume-another-text": bad([*resume, "--data-dir", corpus_like(text_dir, tmp / "other", train="a b c\n" * 99)],
                                    "written for another text", reads_data=True),
     }
@@ -692,7 +699,8 @@ BAD_CASES = [
     "resume-fewer-epochs-than-done", "resume-another-version", "resume-weights-that-do-not-fit", "no-data-offline",
     "train-txt-is-a-folder", "empty-corpus", "one-line-corpus", "not-utf8", "resume-another-text", "save-with-generate",
     "save-with-check-gradients", "temperature-without-generate", "data-dir-with-generate",
-    "epochs-with-check-gradients", "nhid-with-generate", "checkpoint-is-a-dangling-link",
+    "epochs-with-check-gradients", "nhid-with-generate", "checkpoint-is-a-dangling-link", "save-over-the-text",
+    "save-over-the-text-through-a-link",
 ]
 
 
