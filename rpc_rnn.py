@@ -617,10 +617,10 @@ def load_run(args):
     by the trainer, which mp.spawn sends only their paths (sent whole, they would travel through /dev/shm, which a
     container may keep too small, and make the start long enough for Ctrl-C to cut it short).
 
-    --save must not name a file of the text (written over it at the end); each split must give every stream of its
-    batch at least one window of two words; a --resume checkpoint must have been written for this text; this machine
-    must hold the model and a window's logits (each weight four times: itself, its gradient, the best and the
-    checkpointed copy; each logit three: itself, its softmax and its gradient)."""
+    --save must not name a file of the text, which the first epoch would write the model over; each split must give
+    every stream of its batch at least one window of two words; a --resume checkpoint must have been written for this
+    text; this machine must hold the model and a window's logits (each weight four times: itself, its gradient, the
+    best and the checkpointed copy; each logit three: itself, its softmax and its gradient)."""
     saved = read_checkpoint(args) if args.resume else None
     folder = wikitext2_dir(args.data_dir)
     check(not args.save or Path(args.save).resolve() not in [Path(folder, name).resolve() for name in WIKITEXT2_FILES],

@@ -670,7 +670,7 @@ def bad_invocations(text_dir, trained, tmp):
                                "or a smaller --batch-size", reads_data=True),
         "not-utf8": bad(["--data-dir", corpus_like(text_dir, tmp / "latin1", valid=b"caf\xe9\n")], "not UTF-8 text",
                         reads_data=True),
-        # --save would write the model over the text at the end of the run
+        # --save would write the model over the text after the first epoch
         "save-over-the-text": bad([*data, "--save", text_dir / "valid.txt"],
                                   f"--save {text_dir}/valid.txt: a file of the text this run reads; pass another file",
                                   reads_data=True),
