@@ -47,6 +47,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Literal, Optional
@@ -343,6 +344,8 @@ def make_scheduler(args, config_space):
         return ASHA(config_space, time_attr=RESOURCE, max_t=args.max_epochs, points_to_evaluate=[first], **options)
     # bo: a tree-structured Parzen estimator, which needs nothing beyond Syne Tune; gp: expected improvement on a
     # Gaussian process fitted to the finished trials (botorch)
+    # botorch imports linear_operator, whose functions use torch.jit.script, deprecated (a FutureWarning) in torch 2.15
+    warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
     return {"bo": TPE, "gp": BOTorch}[args.scheduler](config_space, points_to_evaluate=[first], **options)
 
 

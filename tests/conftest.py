@@ -232,10 +232,13 @@ def wait_for_line(proc, text, timeout=120):
 
 def spawned_workers(proc):
     """The worker processes mp.spawn started under proc, oldest first: in rank order."""
+    def is_worker(child):  # spawn's workers run multiprocessing's spawn_main (its resource tracker is another child)
+        try:
+            return "spawn_main" in " ".join(child.cmdline())
+        except psutil.Error:  # it ended between the listing and the look: a zombie or gone
+            return False
     children = psutil.Process(proc.pid).children(recursive=True)
-    # spawn's workers run multiprocessing's spawn_main (its resource tracker is another child)
-    return sorted((child for child in children if "spawn_main" in " ".join(child.cmdline())),
-                  key=lambda child: (child.create_time(), child.pid))
+    return sorted(filter(is_worker, children), key=lambda child: (child.create_time(), child.pid))
 
 
 def assert_all_ended(processes, timeout=10):
