@@ -26,6 +26,7 @@ Rank 0 prints one line per epoch, then the result as one JSON line:
 """
 
 import dataclasses
+import datetime
 import math
 import time
 from pathlib import Path
@@ -62,7 +63,7 @@ class Args:
     """train on the first N training images only (quick runs); not given: all 60,000"""
     limit_test: Optional[common.Positive] = None
     """score the test accuracy on the first N test images only (quick runs); not given: all 10,000"""
-    data_dir: Optional[common.DataDir] = None
+    data_dir: Optional[str] = None
     """folder with the Fashion-MNIST .gz files, or its parent; not given: downloaded once into
     ~/.cache/torch-distributed-patterns"""
     # Larger batches for more devices (exercises 1 and 2)
@@ -75,19 +76,17 @@ class Args:
     warmup_epochs: Optional[common.PositiveFloat] = None
     """with --lr-scaling, ramp the rate from --lr up to the scaled rate over this many epochs; not given: no warm-up"""
     # Output and checkpoints
-    plot: Optional[common.OutFile] = None
+    plot: Optional[str] = None
     """save the learning curve (training loss, training and test accuracy per epoch) to this .png, .pdf or .svg file;
     not given: no plot"""
-    checkpoint_dir: Optional[common.OutDir] = None
+    checkpoint_dir: Optional[str] = None
     """save a checkpoint (multi_gpu.pt) in this folder after every epoch; not given: no checkpoints"""
     resume: bool = False
     """continue from the checkpoint in --checkpoint-dir, if there is one"""
     # Devices and launch
     procs: common.Positive = 2
     """CPU processes when --gpus is 0"""
-    oversubscribe: bool = False
-    """allow more than 4 processes per CPU of this machine"""
-    timeout: common.Seconds = 60.0
+    timeout: common.PositiveFloat = 60.0
     """how long a collective waits for a peer before the run fails"""
     tf32: bool = True
     """on Ampere and newer GPUs, let convolutions and matrix products use TF32 (--no-tf32: IEEE float32, for results
@@ -356,10 +355,9 @@ def recipe(args):
 
 
 def read_checkpoint(args):
-    """The checkpoint to resume from, verified (common.load_checkpoint) and checked against this run (its recipe, its
-    parameters, its epochs), after a line on stdout that says so. None without --resume or before the first
-    checkpoint is written."""
-    path = Path(common.checkpoint_file(args.checkpoint_dir, CHECKPOINT))
+    """The checkpoint to resume from, checked against this run (its recipe, its parameters, its epochs), after a line
+    on stdout that says so; None without --resume or before the first checkpoint is written."""
+    path = Path(args.checkpoint_dir, CHECKPOINT)
     if not (args.resume and path.exists()):
         return None
     saved = common.load_checkpoint(path, "multi_gpu", "--resume", keys=("params", "history", "recipe"))
@@ -388,38 +386,27 @@ def learning_curve(history):
 # ---------------------------------------------------------------------------------------------------------
 
 def validate(args):
-    """The rules that involve several flags, the machine, the launcher or the checkpoint, checked before any data is
-    read: each broken rule is one line and exit status 2. Fills in --gpus and --batch-size; returns the checkpoint
-    to resume from, read by rank 0 (the launcher, or torchrun's rank 0), else None."""
+    """The rules that involve several flags, the machine or the launcher, checked before any data is read: each broken
+    rule is one line and exit status 2. Fills in --gpus and --batch-size; returns the checkpoint to resume from, read
+    by rank 0 (the launcher, or torchrun's rank 0), else None."""
     torchrun, gpus_here = common.torchrun_env(), torch.accelerator.device_count()
     local = torchrun["LOCAL_WORLD_SIZE"] if torchrun else gpus_here  # processes on this machine, one per GPU
     if args.gpus is None:  # every GPU of this machine
         args.gpus = local if gpus_here else 0
     common.check(not torchrun or args.gpus in (0, local), f"--gpus {args.gpus}: torchrun started {local} processes on "
                  f"this machine, one per GPU; pass --gpus {local}, or --gpus 0 to train on CPUs")
-    fix = f"start {gpus_here} processes" if torchrun else f"pass --gpus {gpus_here}"
     common.check(args.gpus <= gpus_here, f"--gpus {args.gpus}: this machine shows {gpus_here} GPUs, and NCCL needs one "
-                 f"per process; {fix + ', or ' if gpus_here else ''}pass --gpus 0 to train on CPUs")
-    common.check_processes("--procs", args.procs, args.oversubscribe)
+                 f"per process; pass --gpus 0 to train on CPUs")
     processes = torchrun["WORLD_SIZE"] if torchrun else args.gpus or args.procs
     common.check(not (args.batch_size and args.batch_per_device), "pass --batch-size or --batch-per-device, not both")
     args.batch_size = args.batch_per_device * processes if args.batch_per_device else args.batch_size or 256
     common.check(args.batch_size >= processes, f"--batch-size {args.batch_size}: smaller than the {processes} "
                                                f"processes, and every process needs a shard; pass a larger one")
-    common.check((args.limit_train or 0) <= common.FASHION_MNIST_TRAIN, f"--limit-train {args.limit_train}: more "
-                 f"than the {common.FASHION_MNIST_TRAIN} training images; pass fewer, or leave it out to train on all")
-    images = args.limit_train or common.FASHION_MNIST_TRAIN
-    common.check(args.batch_size <= images, f"--batch-size {args.batch_size}: more than the {images} training images, "
-                 f"so no minibatch would be that large; pass at most {images}")
-    common.check((args.limit_test or 0) <= common.FASHION_MNIST_TEST, f"--limit-test {args.limit_test}: more than "
-                 f"the {common.FASHION_MNIST_TEST} test images; pass fewer, or leave it out to score on all")
-    if args.lr_scaling == "none":
-        common.check_used(args, lr_base_batch="with --lr-scaling", warmup_epochs="with --lr-scaling linear or sqrt")
-    if torchrun or args.gpus:
-        common.check_used(args, procs="for CPU processes that this script starts (--gpus 0, not under torchrun)")
     common.check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR, where the checkpoint is")
     common.check(not args.plot or Path(args.plot).suffix.lower() in (".png", ".pdf", ".svg"),
                  f"--plot {args.plot}: name a .png, .pdf or .svg file")
+    if args.checkpoint_dir:
+        common.make_dir("--checkpoint-dir", args.checkpoint_dir)
     return read_checkpoint(args) if args.checkpoint_dir and (not torchrun or torchrun["RANK"] == 0) else None
 
 
@@ -431,8 +418,10 @@ def run_worker(rank, world_size, store, args, data_folder, saved):
     may keep too small for them."""
     device = common.pick_device(args.gpus > 0, common.local_rank(rank))
     common.set_tf32(device, args.tf32)
-    common.init_process_group(store, rank, world_size, dist.get_default_backend_for_device(device), args.timeout,
-                              device if args.gpus else None)  # the device's backend: gloo, NCCL on CUDA, XCCL on XPU
+    # the device's backend: gloo on CPUs, NCCL on CUDA, XCCL on XPU; a collective fails after --timeout, not hangs
+    dist.init_process_group(dist.get_default_backend_for_device(device), init_method=common.init_method(store, "pg"),
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if args.gpus else None)
     # The whole data set on the device, the images as floats [N, 1, 28, 28] in [0, 1] (what the tutorial's ToTensor
     # gives): a step needs no loader and no host copy, only an index.
     train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in common.load_fashion_mnist(data_folder))
@@ -453,7 +442,7 @@ def run_worker(rank, world_size, store, args, data_folder, saved):
         seconds.append(record["seconds"])
         if rank == 0 and args.checkpoint_dir:  # atomically: a failed write keeps the previous checkpoint
             state = dict(epoch=len(history), params=model.flat_params.cpu(), history=history, recipe=recipe(args))
-            common.save_checkpoint(Path(args.checkpoint_dir, CHECKPOINT), "multi_gpu", state, "--checkpoint-dir")
+            common.save_checkpoint(Path(args.checkpoint_dir, CHECKPOINT), "multi_gpu", state)
     # s_per_epoch: the median epoch this run trained (the first includes warm-up); null when it trained none.
     median = sorted(seconds)[len(seconds) // 2] if seconds else None
     if rank == 0:
@@ -462,22 +451,21 @@ def run_worker(rank, world_size, store, args, data_folder, saved):
                            **{key: history[-1][key] for key in ("loss", "train_acc", "test_acc")}, s_per_epoch=median,
                            samples_per_s=len(data[0]) / median if median else None, history=history)
         if args.plot:  # after the JSON line: a plot that cannot be written loses neither it nor a checkpoint
-            common.save_figure(learning_curve(history), args.plot, "--plot", kept="the result and checkpoints are kept")
+            common.save_figure(learning_curve(history), args.plot)
     dist.destroy_process_group()
 
 
 def main(argv=None):
     args = common.parse_args(Args, argv)
     saved = validate(args)
-    data_folder = common.fashion_mnist_dir(args.data_dir)  # downloaded once
-    common.load_fashion_mnist(data_folder)  # every file verified, before any process starts
+    data_folder = common.fashion_mnist_dir(args.data_dir)  # downloaded once, checked before any process starts
     if torchrun := common.torchrun_env():  # started by torchrun (RANK set): this process's part
         return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, data_folder, saved)
     world_size = args.gpus or args.procs
-    with common.rendezvous(world_size) as store:
+    with common.rendezvous() as store:
         common.join(mp.spawn(run_worker, args=(world_size, store, args, data_folder, saved), nprocs=world_size,
                              join=False))
 
 
 if __name__ == "__main__":
-    common.run_main(main, sizes="--batch-size or --batch-per-device")
+    common.run_main(main)

@@ -6,9 +6,9 @@ The agent creates the observers remotely (`rpc.remote`), keeps their RRefs and s
 at once (`rpc_async`), handing over its own RRef; an observer asks the agent for an action at every step
 (`rpc_sync`), and once every episode has ended the agent makes one REINFORCE update from all of them. The
 tutorial's code comes first, and `--tutorial` runs it alone. What runs by default builds on it below the banners:
-one RPC per step instead of two, one forward for all observers of a step, computed in numpy, several environments
-per observer, the returns of time-limited episodes bootstrapped, checkpoints that resume exactly, a saved policy
-and its greedy evaluation.
+one RPC per step instead of two, one forward for all observers of a step, several environments per observer, the
+returns of time-limited episodes bootstrapped, checkpoints that resume exactly, a saved policy and its greedy
+evaluation.
 
 Commands:
     python rpc_rl.py                                  # agent + 1 observer on this machine, until solved
@@ -30,6 +30,7 @@ training), the line that says it solved CartPole, then the result as one JSON li
     {"script": "rpc_rl", "solved": true, "episodes": E, "env_steps": N, "wall_time_s": T, "steps_per_s": S, ...}
 """
 
+import concurrent.futures
 import os
 import threading
 import time
@@ -47,7 +48,7 @@ from torch.distributed.rpc import RRef, remote
 from torch.distributions import Categorical
 
 import common
-from common import InFile, NonNegative, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
+from common import NonNegative, Positive, PositiveFloat, Seed, check
 
 AGENT_NAME = "agent"
 OBSERVER_NAME = "observer{}"
@@ -80,48 +81,35 @@ class Args:
     eval_episodes: NonNegative = 0
     """after training, play this many greedy episodes (the most probable action, no dropout)"""
     # Output and checkpoints
-    save: Optional[OutFile] = None
+    save: Optional[str] = None
     """write the trained policy to this file; not given: not saved"""
-    load: Optional[InFile] = None
+    load: Optional[str] = None
     """start from the policy in this file (written by --save, or a checkpoint); not given: a new policy"""
-    checkpoint_dir: Optional[OutDir] = None
+    checkpoint_dir: Optional[str] = None
     """write a checkpoint (rpc_rl.pt) into this folder every --checkpoint-interval episodes and at the end; not
     given: no checkpoints"""
     checkpoint_interval: Positive = 50
     """episodes between two checkpoints"""
     resume: bool = False
     """continue from the checkpoint in --checkpoint-dir, if there is one, as if the run had not stopped"""
-    # Devices and launch
-    pin_cpus: bool = False
-    """bind each process to a CPU of its own when this machine has one for each: faster while nothing else runs on
-    those CPUs, slower when something does"""
-    rpc_timeout: Seconds = 20.0
+    # Launch
+    rpc_timeout: PositiveFloat = 20.0
     """an RPC to a silent (stopped, hung) process fails after this long and ends the run; it also bounds an
     episode"""
-    oversubscribe: bool = False
-    """start more than 4 processes per CPU"""
 
 
 def validate(args):
-    """The rules that involve several flags or the machine (each flag's own rule is checked as it is parsed)."""
+    """The rules that involve several flags or the launcher (each flag's own rule is checked as it is parsed)."""
     processes = common.process_count(args.world_size)
-    common.check_processes("--world-size", processes, args.oversubscribe)
     check(processes >= 2, f"world size {processes}: need at least 2 processes (one agent, one observer)")
     check(args.max_episodes or args.eval_episodes, "nothing to do: give --max-episodes or --eval-episodes")
     args.truncation = args.truncation or ("terminal" if args.tutorial else "bootstrap")
     check(args.gamma < 1 or args.gamma == 1 and args.truncation == "terminal", f"--gamma {args.gamma}: pass a "
           f"discount factor below 1, or 1 with --truncation terminal (a bootstrapped return would be infinite)")
-    beyond = (args.envs_per_observer, args.truncation, args.eval_episodes, args.save, args.checkpoint_dir)
-    check(not args.tutorial or beyond == (1, "terminal", 0, None, None), "--tutorial runs the tutorial's code alone: "
-          "leave out --envs-per-observer, --truncation bootstrap, --eval-episodes, --save and --checkpoint-dir")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
-    if not args.checkpoint_dir:
-        common.check_used(args, checkpoint_interval="with --checkpoint-dir")
-    if common.torchrun_env():
-        common.check_used(args, world_size="without torchrun (its WORLD_SIZE is the world size)")
-    envs = (processes - 1) * args.envs_per_observer  # the agent keeps every step of an episode (about 2 kB each)
-    common.check_memory(f"the episodes of {envs} environments", envs * gym.spec(ENV_ID).max_episode_steps * 2048,
-                        "--envs-per-observer or --world-size")
+    check(not args.load or os.path.isfile(args.load), f"--load {args.load}: no such file")
+    if args.checkpoint_dir:
+        common.make_dir("--checkpoint-dir", args.checkpoint_dir)
 
 
 class Policy(nn.Module):
@@ -277,8 +265,8 @@ def run_agent(agent, args):
     agent.report(solved, time.perf_counter() - start, env_steps(agent, first))
 
 
-# --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers, in numpy;
-# checkpoints that resume exactly, --save, greedy evaluation, the result line ---
+# --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers; checkpoints
+# that resume exactly, --save, greedy evaluation, the result line ---
 
 class BatchObserver(Observer):
     """Lives in an observer process: K CartPole environments (--envs-per-observer), played together."""
@@ -307,14 +295,6 @@ class BatchObserver(Observer):
                     states[index] = state.tolist()
 
 
-def numpy_probs(parameters, states, masks=1.0):
-    """Policy.forward in numpy, float32, with the dropout masks given (1.0: no dropout, as in evaluation)."""
-    weight1, bias1, weight2, bias2 = parameters
-    logits = np.maximum((states @ weight1.T + bias1) * masks, 0) @ weight2.T + bias2
-    exp = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return exp / exp.sum(axis=1, keepdims=True)
-
-
 CHECKPOINT = "rpc_rl.pt"  # the file in --checkpoint-dir
 CHECKPOINT_KEYS = ("recipe", "policy", "optimizer", "episode_rewards", "running_reward", "rng")
 
@@ -327,21 +307,16 @@ def recipe(args):
 
 def read_checkpoint(args):
     """What the agent starts from: with --resume, the checkpoint in --checkpoint-dir if there is one (after a line
-    that says so), else the policy of --load, else None (a new policy). Read once, before any process starts, and
-    checked to fit the policy."""
-    path = common.checkpoint_file(args.checkpoint_dir, CHECKPOINT, args.save) if args.checkpoint_dir else None
+    that says so; --load is then not read), else the policy of --load, else None (a new policy). Read once, before any
+    process starts, and checked to fit the policy."""
+    path = os.path.join(args.checkpoint_dir or "", CHECKPOINT)
     if args.resume and os.path.exists(path):  # (validate: --resume comes with --checkpoint-dir)
-        check(not args.load, f"--load {args.load}: --resume continues the checkpoint in {args.checkpoint_dir} instead; "
-                             f"drop --load, or pass another --checkpoint-dir")
         saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
         check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "
               f"{recipe(args)}; pass the same flags or another --checkpoint-dir")
-        done = len(saved["episode_rewards"])
-        check(done <= args.max_episodes, f"--resume {path}: holds {done} episodes, more than --max-episodes "
-                                         f"{args.max_episodes}; pass a larger one")
         policy = common.check_fits(Policy(), saved["policy"], "--resume", path)
         common.check_fits(optim.Adam(policy.parameters()), saved["optimizer"], "--resume", path)
-        print(f"resuming after episode {done} from {path}", flush=True)
+        print(f"resuming after episode {len(saved['episode_rewards'])} from {path}", flush=True)
         return saved
     if args.load:
         saved = common.load_checkpoint(args.load, "rpc_rl", "--load", keys=("policy",))
@@ -349,29 +324,26 @@ def read_checkpoint(args):
 
 
 class BatchAgent(Agent):
-    """Lives in the agent process: the tutorial's Agent, answering every observer of a step with one forward, in
-    numpy, from the agent's own generator; the update computes the log-probabilities again, in torch. Rewards,
-    log-probabilities and trajectories are kept per environment: (observer id, environment index). It continues
-    from a checkpoint (--resume), writes checkpoints, and ends with --save, the greedy evaluation and the result
-    line."""
+    """Lives in the agent process: the tutorial's Agent, answering every observer of a step with one forward of the
+    policy, sampled as the tutorial samples; rewards and log-probabilities are kept per environment, (observer id,
+    environment index). It continues from a checkpoint (--resume), writes checkpoints, and ends with --save, the
+    greedy evaluation and the result line."""
 
     def __init__(self, world_size, args, saved=None):
         super().__init__(world_size, args, saved, BatchObserver)
         self.rewards = {(ob_id, index): [] for ob_id in self.rewards for index in range(args.envs_per_observer)}
-        self.rows = {env: row for row, env in enumerate(self.rewards)}  # an environment's number in the trajectory
-        self.rng = np.random.default_rng(args.seed)  # every random number drawn after the initial policy
-        self.parameters = [parameter.detach().numpy() for parameter in self.policy.parameters()]  # views
+        self.saved_log_probs = {env: [] for env in self.rewards}
         self.lock, self.waiting = threading.Lock(), {}  # the requests of this step so far
+        self.acting = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # the one thread that acts: see act
         if saved and "optimizer" in saved:  # a checkpoint, checked by read_checkpoint
             self.optimizer.load_state_dict(saved["optimizer"])
             self.episode_rewards, self.running_reward = saved["episode_rewards"], saved["running_reward"]
-            self.rng.bit_generator.state = saved["rng"]
+            torch.set_rng_state(saved["rng"])
 
     def run_episode(self):
-        """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent. Starts the
-        episode's trajectory: per step, the numbers of the environments playing, their states, masks and actions."""
-        self.playing, self.trajectory = {ob_id for ob_id, _ in self.rewards}, []  # observers still playing
-        seeds = self.rng.integers(2**32, size=(len(self.ob_rrefs), self.args.envs_per_observer)).tolist()
+        """The tutorial's run_episode, with the seed of every environment's episode drawn by the agent."""
+        self.playing = {ob_id for ob_id, _ in self.rewards}  # observers still playing
+        seeds = torch.randint(2**31, (len(self.ob_rrefs), self.args.envs_per_observer)).tolist()
         futs = [ob_rref.rpc_async().run_episode(self.agent_rref, ob_seeds)
                 for ob_rref, ob_seeds in zip(self.ob_rrefs, seeds)]
         self.truncated = {env: cut for fut in futs for env, cut in fut.wait().items()}
@@ -390,37 +362,29 @@ class BatchAgent(Agent):
             if self.waiting.keys() >= self.playing:
                 requests, self.waiting = sorted(self.waiting.items()), {}
                 self.playing = {ob_id for ob_id, (ob_states, _) in requests if ob_states}
-                self.act(requests)
+                self.acting.submit(self.act, requests)
         return actions
 
     def act(self, requests):
-        """Answers [(observer id, (states, future))] from one forward of all their states with the policy's dropout,
-        in observer order: the same batches, hence the same random numbers, on every run. In numpy, because for a
-        few rows torch's fixed cost per operator call is many times the arithmetic. The futures are answered last:
-        only then can the next step's requests arrive."""
-        rows = np.array([self.rows[ob_id, index] for ob_id, (ob_states, _) in requests for index in ob_states], int)
-        states = np.array([state for _, (ob_states, _) in requests for state in ob_states.values()], np.float32)
-        states = states.reshape(len(rows), 4)  # 4 numbers, also when no environment is left
-        keep = 1 - self.policy.dropout.p  # inverted dropout, as nn.Dropout
-        masks = (self.rng.random((len(rows), self.policy.affine1.out_features)) < keep) / np.float32(keep)
-        probs = numpy_probs(self.parameters, states, masks)
-        actions = (self.rng.random(len(rows)) >= probs[:, 0]).astype(np.int64)  # action 1 with probability probs[:, 1]
-        self.trajectory.append((rows, states, masks, actions))
-        answers = iter(actions.tolist())
+        """Answers [(observer id, (states, future))] from one forward of all their states, in observer order (the
+        same batches, hence the same random numbers, on every run), as the tutorial's select_action does for one.
+        Always in the same thread (self.acting): autograd orders the backward of the steps' graphs by counters of
+        the threads that recorded them, and graphs recorded by whichever RPC thread asked last would sum the
+        gradients in another order, to other bits, on every run."""
+        envs = [(ob_id, index) for ob_id, (ob_states, _) in requests for index in ob_states]
+        states = torch.tensor([state for _, (ob_states, _) in requests for state in ob_states.values()]).view(-1, 4)
+        m = Categorical(self.policy(states))
+        action = m.sample()
+        for env, log_prob in zip(envs, m.log_prob(action).split(1)):
+            self.saved_log_probs[env].append(log_prob)
+        answers = iter(action.tolist())
         for _, (ob_states, future) in requests:
             future.set_result([next(answers) for _ in ob_states])
 
     def finish_episode(self):
-        """The saved log-probabilities, computed again in torch: one forward for every step of every episode, with
-        the dropout masks the actions were sampled with; then the tutorial's update. Then a checkpoint every
-        --checkpoint-interval episodes, once solved and at --max-episodes: all the run needs to continue as if it
-        had not stopped (the policy, Adam's state, the records, and the agent's generator, the only random state
-        still to be used: every episode starts from seeds it draws). Written atomically: a failed write keeps the
-        previous checkpoint and ends the run in one line."""
-        rows, states, masks, actions = (torch.from_numpy(np.concatenate(column)) for column in zip(*self.trajectory))
-        probs = F.softmax(self.policy.affine2(F.relu(self.policy.affine1(states) * masks)), dim=1)
-        log_probs = Categorical(probs).log_prob(actions)
-        self.saved_log_probs = {env: [log_probs[rows == row]] for env, row in self.rows.items()}  # in step order
+        """The tutorial's update, then a checkpoint every --checkpoint-interval episodes, once solved and at
+        --max-episodes: all the run needs to continue as if it had not stopped (the policy, Adam's state, the records
+        and torch's generator, the only random state still to be used)."""
         min_reward = super().finish_episode()
         episode, args = len(self.episode_rewards), self.args
         if args.checkpoint_dir and (episode % args.checkpoint_interval == 0 or episode >= args.max_episodes
@@ -428,7 +392,7 @@ class BatchAgent(Agent):
             common.save_checkpoint(os.path.join(args.checkpoint_dir, CHECKPOINT), "rpc_rl", {
                 "recipe": recipe(args), "policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "episode_rewards": self.episode_rewards, "running_reward": self.running_reward,
-                "rng": self.rng.bit_generator.state}, "--checkpoint-dir")
+                "rng": torch.get_rng_state()})
         return min_reward
 
     def discounted_returns(self, env):
@@ -447,49 +411,39 @@ class BatchAgent(Agent):
         for index in range(self.args.envs_per_observer):
             super().update_running_reward(episode_rewards[index::self.args.envs_per_observer])
 
+    @torch.no_grad()
     def report(self, solved, wall_time, steps):
         """--save, then the greedy evaluation: --eval-episodes episodes with the most probable action and no dropout,
         on an environment of the agent's own, seeded with --seed as no observer's is (gymnasium's
         RecordEpisodeStatistics sums their rewards); then the result line."""
         if self.args.save:
-            common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()}, "--save")
+            common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()})
         env = gym.wrappers.RecordEpisodeStatistics(gym.make(ENV_ID), buffer_length=self.args.eval_episodes)
+        self.policy.eval()
         for episode in range(self.args.eval_episodes):
             state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
             terminated = truncated = False
             while not (terminated or truncated):  # CartPole-v1's time limit ends every episode
-                state, _, terminated, truncated, _ = env.step(int(numpy_probs(self.parameters, state[None]).argmax()))
+                action = self.policy(torch.from_numpy(state)[None]).argmax().item()
+                state, _, terminated, truncated, _ = env.step(action)
         if env.return_queue:
             print(f"greedy evaluation: mean reward {np.mean(env.return_queue):.1f} over {len(env.return_queue)} "
                   f"episodes", flush=True)
         super().report(solved, wall_time, steps, eval_rewards=list(env.return_queue))
 
 
-# --- The processes: pinned to a CPU each, the agent and its observers, started by mp.spawn or torchrun ---
-
-def pin_to_one_cpu(local_rank, local_world_size):
-    """Bind this process to one CPU of its own when this machine has one for each of its processes (else the OS
-    scheduler places the processes).
-
-    For RPC-bound runs on CPUs that nothing else uses: TensorPipe's shared-memory transport polls busily in a thread
-    of every process, and unpinned, the pollers of all processes and their Python threads fight over the same cores.
-    Off by default (--pin-cpus): a pinned process cannot move away from other work that lands on its CPU, where its
-    poller and its Python thread already take turns, so one other busy process slows a pinned run several times over.
-    """
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
-    if len(cpus) >= local_world_size:
-        os.sched_setaffinity(0, {cpus[local_rank]})
-
+# --- The processes: the agent and its observers, started by mp.spawn or torchrun ---
 
 @common.worker
 def run_worker(rank, world_size, store, args, agent_class, saved):
     """Every process: rank 0 is the agent and trains (the tutorial's agent_class, Agent, or the BatchAgent that
-    builds on it); the others serve the agent's RPCs as observers. One thread per process (the policy is tiny),
-    and with --pin-cpus a CPU of its own (see pin_to_one_cpu)."""
+    builds on it); the others serve the agent's RPCs as observers. One thread per process: the policy is tiny."""
     torch.set_num_threads(1)
-    if args.pin_cpus:
-        pin_to_one_cpu(common.local_rank(rank), int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    common.init_rpc(store, AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank), rank, world_size, args.rpc_timeout)
+    # an RPC to a peer that is gone or silent fails after --rpc-timeout instead of hanging
+    options = rpc.TensorPipeRpcBackendOptions(init_method=common.init_method(store, "rpc"),
+                                              rpc_timeout=args.rpc_timeout)
+    rpc.init_rpc(AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank), rank=rank, world_size=world_size,
+                 rpc_backend_options=options)
     if rank == 0:
         run_agent(agent_class(world_size, args, saved), args)
     # block until all rpcs finish, and shutdown the RPC instance
@@ -506,10 +460,10 @@ def main(argv=None):
     agent_class = Agent if args.tutorial else BatchAgent
     if torchrun:  # started by torchrun (RANK set): this process's part
         return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, agent_class, saved)
-    with common.rendezvous(args.world_size) as store:
+    with common.rendezvous() as store:
         common.join(mp.spawn(run_worker, args=(args.world_size, store, args, agent_class, saved),
                              nprocs=args.world_size, join=False))
 
 
 if __name__ == "__main__":
-    common.run_main(main, sizes="--envs-per-observer or --world-size")
+    common.run_main(main)
