@@ -8,21 +8,21 @@ worker waits for a slow trial; `--sync` is the synchronous baseline, which start
 batch has finished, and the worker utilisation (busy trial time / (workers x wall time)) shows the difference. The
 tutorial's code comes first; below it, Syne Tune's other schedulers (`--scheduler bo | gp | asha`), the tutorial's
 exercises (`--model mlp`: DropoutMLP; `--scheduler local`: local search around the best configuration so far), GPUs,
-trials on a Ray cluster (`--ray-address`) and the bookkeeping (failed and hung trials, a table of every trial).
+trials on a Ray cluster (`--ray-address`) and the bookkeeping (a line per trial event, a table of every trial).
 
     python async_hpo.py                                   # the tutorial: random search, 2 workers, 720 s budget
     python async_hpo.py --scheduler asha --n-workers 4    # stop bad trials early
     python async_hpo.py --sync                            # synchronous baseline, same budget
     python async_hpo.py --model mlp --scheduler gp        # DropoutMLP, Gaussian-process BO
     python async_hpo.py --model mlp --scheduler local     # DropoutMLP, local search around the best so far
-    python async_hpo.py --cuda                            # one GPU per trial when there are several
+    python async_hpo.py --cuda                            # trials on GPUs, --trials-per-gpu of them on each
     python async_hpo.py --ray-address auto                # trials on the Ray cluster `ray start` began here
     python async_hpo.py --max-trials 6 --max-epochs 2 --limit-train 5000 --activation relu   # a quick look
 
 Each run writes RESULTS_DIR/async-hpo-<scheduler>-<time>/ (--results-dir): Syne Tune's metadata.json and
-results.csv.zip (read them with `syne_tune.experiments.load_experiment(name, local_path=RESULTS_DIR)`), tuner.log
-(Syne Tune's own messages), incumbent.png, learning_curves.png, and one folder per trial with its config.json,
-std.out and std.err. The console gets one line per trial event, a table of every trial and one JSON line:
+results.csv.zip (read them with `syne_tune.experiments.load_experiment(name, local_path=RESULTS_DIR)`),
+incumbent.png, learning_curves.png, and one folder per trial with its config.json, std.out and std.err. The console
+gets one line per trial event, a table of every trial and one JSON line:
 
     trial 7 completed | epoch 10 | val err E | best B
     trial 9 cut off | epoch 3 | val err E | best B
@@ -32,15 +32,12 @@ std.out and std.err. The console gets one line per trial event, a table of every
      "batch_size": ...}, "best_validation_error": ..., "trials_started": ..., "utilisation": ..., ...}
 """
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
-import importlib.util
 import io
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -50,11 +47,10 @@ import time
 import warnings
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
 import numpy as np
 import pandas as pd
-import psutil
 import torch
 from syne_tune import Reporter, StoppingCriterion, Tuner
 from syne_tune.backend import LocalBackend
@@ -71,18 +67,11 @@ from syne_tune.report import retrieve
 from syne_tune.results_callback import StoreResultsCallback
 from syne_tune.tuner_callback import TunerCallback
 from syne_tune.tuner_logger import TunerLogger
-from syne_tune.util import dump_json_with_numpy, name_from_base
+from syne_tune.util import dump_json_with_numpy
 from torch import nn
 
 import common
 from common import check
-
-
-def cluster_address(flag, text):
-    """A Ray cluster to join: HOST:PORT or auto. `local` (a new cluster inside this run) and Ray Client addresses,
-    which ray.init also accepts, are refused: the search would not run where the user thinks it does."""
-    check(text not in ("", "local") and "://" not in text, f"{flag} {text!r}: give the cluster's HOST:PORT, or auto")
-    return text
 
 
 @dataclasses.dataclass
@@ -90,8 +79,8 @@ class Args:
     # The tutorial's settings
     n_workers: common.Positive = 2
     """trials running at the same time (on a Ray cluster: across the cluster)"""
-    max_wallclock_time: common.Seconds = 720.0
-    """the search's budget: trials still running then are stopped"""
+    max_wallclock_time: common.PositiveFloat = 720.0
+    """the search's budget in seconds: trials still running then are stopped"""
     max_epochs: common.Positive = 10
     """epochs per trial (ASHA's maximum resource)"""
     seed: common.Seed = 0
@@ -102,7 +91,7 @@ class Args:
     multilayer perceptron with dropout (D2L 5.6), searched over its hidden sizes and dropout rates too"""
     activation: Literal["sigmoid", "relu"] = "sigmoid"
     """the convolutional network's activation: sigmoid as in the tutorial; relu learns sooner (for short runs)"""
-    data_dir: Optional[common.DataDir] = None
+    data_dir: Optional[str] = None
     """folder with the Fashion-MNIST .gz files (or its parent); not given: the download cache"""
     limit_train: Optional[common.Positive] = None
     """train every trial on the first N training images only; not given: all of them"""
@@ -111,68 +100,48 @@ class Args:
     # Beyond the tutorial: the search
     scheduler: Literal["random", "bo", "gp", "asha", "local"] = "random"
     """random: random search (the tutorial); bo: Syne Tune's TPE, a model-based searcher; gp: Gaussian-process Bayesian
-    optimisation (needs botorch); asha: random search that stops trials worse than most at the same epoch; local:
-    steps from the best configuration so far"""
+    optimisation (botorch); asha: random search that stops trials worse than most at the same epoch; local: steps
+    from the best configuration so far"""
     sync: bool = False
     """synchronous baseline: start the next batch of n_workers trials only when the whole batch has finished"""
     max_trials: Optional[common.Positive] = None
     """start this many trials and let them finish (the budget still holds); not given: as many as the budget allows"""
     max_failures: common.NonNegative = 3
-    """failed trials tolerated (crashed, killed or hung); one more stops the search with an error"""
-    trial_timeout: common.Seconds = 120.0
-    """a trial on this machine that uses no CPU time and writes nothing for this long is killed and counted failed"""
+    """failed trials tolerated; one more stops the search with an error"""
     # Output
-    results_dir: common.OutDir = "runs/async_hpo"
+    results_dir: str = "runs/async_hpo"
     """folder that receives one folder per search (Syne Tune's SYNETUNE_FOLDER)"""
     # Devices and launch
     cuda: bool = False
-    """train the trials on GPUs (the accelerator torch finds): each trial on one, the one fewest running trials use"""
+    """train the trials on GPUs (the accelerator torch finds), each trial on one"""
     trials_per_gpu: common.Positive = 2
     """with --cuda, trials that may share one GPU (2: the tutorial's two workers on one): on this machine up to N
     running trials per GPU, on Ray each trial reserves 1/N of one"""
     trial_threads: Optional[common.Positive] = None
     """CPU threads per trial (on Ray, the CPUs it reserves for each); not given: this machine's cores / --n-workers (on
     Ray: the most that lets --n-workers trials run at once)"""
-    ray_address: Optional[Annotated[str, "HOST:PORT", cluster_address]] = None
+    ray_address: Optional[str] = None
     """run the trials as Ray tasks on the cluster at HOST:PORT, or auto for the one that `ray start` began on this
     machine; not given: trials run on this machine"""
-    oversubscribe: bool = False
-    """allow more than 4 trials at once, or 4 threads per trial, per CPU of this machine"""
-
-
-HOLDOUT_SIZE = 10_000
 
 
 def validate(args):
-    """The rules that involve several flags or this machine (each flag's own rule was checked as it was parsed): one
-    line and exit status 2 each, before any data is read."""
-    for flag, count in (("--n-workers", args.n_workers), ("--trial-threads", args.trial_threads or 1)):
-        common.check_processes(flag, count, args.oversubscribe or args.ray_address is not None)  # on Ray, main checks
-    check(args.model == "lenet" or args.activation == "sigmoid",
-          f"--activation {args.activation} is the convolutional network's; --model mlp uses ReLU: drop --activation")
-    images = common.FASHION_MNIST_TRAIN - HOLDOUT_SIZE * args.holdout
-    check((args.limit_train or 0) <= images, f"--limit-train {args.limit_train}: beyond the {images} training images")
-    check(args.scheduler != "gp" or importlib.util.find_spec("botorch"),
-          "--scheduler gp needs botorch: pip install botorch==0.18.1 (or pick --scheduler bo)")
+    """The rules that involve several flags or this machine: one line and exit status 2 each, before any data is
+    read."""
+    check(args.ray_address not in ("", "local") and "://" not in (args.ray_address or ""), f"--ray-address "
+          f"{args.ray_address!r}: give a running cluster's HOST:PORT, or auto")
     gpus = torch.accelerator.device_count()
     check(not args.cuda or args.ray_address or gpus > 0, "--cuda: no GPU on this machine; run without --cuda")
-    if args.cuda and not args.ray_address:  # (on Ray, main checks the cluster's GPUs)
-        check(args.n_workers <= gpus * args.trials_per_gpu, f"--n-workers {args.n_workers}: more trials at once than "
-              f"the {gpus} GPU(s) here hold at --trials-per-gpu {args.trials_per_gpu}; pass --trials-per-gpu "
-              f"{math.ceil(args.n_workers / gpus)}, or fewer workers")
-    if not args.cuda:
-        common.check_used(args, trials_per_gpu="with --cuda")
-    # Syne Tune's local backend splits each trial's command line at spaces
-    check(args.ray_address or " " not in sys.executable + str(Path(__file__).resolve()) + os.path.abspath(
-        args.results_dir), "the paths of Python, of this script and of --results-dir must not contain spaces")
-    if args.ray_address:
-        common.check_used(args, trial_timeout="without --ray-address (Ray watches the trials it runs)",
-                          oversubscribe="without --ray-address (the cluster's CPUs decide)")
+    check(not args.cuda or args.ray_address or args.n_workers <= gpus * args.trials_per_gpu, f"--n-workers "
+          f"{args.n_workers}: more trials at once than the {gpus} GPU(s) here hold at --trials-per-gpu "
+          f"{args.trials_per_gpu}; pass a larger --trials-per-gpu, or fewer workers")
+    common.make_dir("--results-dir", args.results_dir)
 
 
 # --- The tutorial (D2L 19.3): the objective, the configuration space, the scheduler, the backend, the tuner ---
 
 METRIC, RESOURCE = "validation_error", "epoch"  # what each trial reports after every epoch; Syne Tune minimises METRIC
+HOLDOUT_SIZE = 10_000
 
 
 def init_cnn(module):
@@ -261,24 +230,25 @@ def tune(args, scheduler, tuner_name, callbacks=None, backend=LocalBackend, entr
     Tuner(trial_backend=trial_backend, scheduler=scheduler, stop_criterion=stop_criterion, n_workers=args.n_workers,
           # beyond the tutorial: --sync, --max-failures, bookkeeping, and a free worker reused within 0.1 s
           asynchronous_scheduling=not args.sync, max_failures=args.max_failures, callbacks=callbacks,
-          tuner_name=tuner_name, suffix_tuner_name=False, sleep_time=0.1, save_tuner=False,
+          tuner_name=tuner_name, sleep_time=0.1, save_tuner=False,
           output_logger=TunerLogger(use_colors=False, use_emojis=False)).run()
 
 
 def plot_figures(results, folder):
     """The tutorial's two figures from the results: the incumbent (the best validation error so far) and every
     trial's learning curve, over the tuner's wall-clock time. Returns their paths."""
-    import matplotlib.pyplot as plt
-    incumbent, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(results[ST_TUNER_TIME], results[METRIC].cummin())
-    ax.set(xlabel="wall-clock time (s)", ylabel=f"best {METRIC}", title="incumbent")
-    curves, ax = plt.subplots(figsize=(6, 2.5))
+    from matplotlib.figure import Figure
+    incumbent = Figure(figsize=(6, 3.5)).add_subplot(xlabel="wall-clock time (s)", ylabel=f"best {METRIC}",
+                                                     title="incumbent")
+    incumbent.plot(results[ST_TUNER_TIME], results[METRIC].cummin())
+    curves = Figure(figsize=(6, 3.5)).add_subplot(xlabel="wall-clock time (s)", ylabel="objective function",
+                                                  title="learning curve of every trial")
     for _, trial in results.groupby("trial_id"):
-        ax.plot(trial[ST_TUNER_TIME], trial[METRIC], marker="o", markersize=3)
-    ax.set(xlabel="wall-clock time (s)", ylabel="objective function", title="learning curve of every trial")
-    for name, figure in (("incumbent", incumbent), ("learning_curves", curves)):
-        common.save_figure(figure, folder / f"{name}.png", "--results-dir")
-    return {"incumbent": folder / "incumbent.png", "learning_curves": folder / "learning_curves.png"}
+        curves.plot(trial[ST_TUNER_TIME], trial[METRIC], marker="o", markersize=3)
+    paths = {"incumbent": folder / "incumbent.png", "learning_curves": folder / "learning_curves.png"}
+    for axes, path in zip((incumbent, curves), paths.values()):
+        common.save_figure(axes.figure, path)
+    return paths
 
 
 # --- Beyond the tutorial: other schedulers, --max-trials, and the exercises' model and local searcher ---
@@ -305,8 +275,8 @@ class LocalSearcher(RandomSearcher):
     `step` x its range (on the log scale when it is searched on one: learning rate, hidden sizes), clipped to the
     range and rounded for integers; the steps are drawn from a generator seeded with random_seed. Until a trial has
     reported, it proposes what random search does: points_to_evaluate, then random configurations. The incumbent is
-    the configuration with the lowest metric in any report (Syne Tune passes its hyperparameters and the metric to
-    minimise), so the search moves as soon as a trial reports a better epoch."""
+    the configuration with the lowest metric in any report, so the search moves as soon as a trial reports a better
+    epoch."""
 
     def __init__(self, config_space, points_to_evaluate=None, random_seed=None, step=0.1):
         super().__init__(config_space, points_to_evaluate=points_to_evaluate, random_seed=random_seed)
@@ -350,11 +320,9 @@ def make_scheduler(args, config_space):
 
 
 class AtMost(SingleObjectiveBaseSearcher):
-    """--max-trials: the scheduler's searcher (every scheduler here asks its `searcher` for each configuration),
-    proposing max_trials configurations, then None, Syne Tune's "nothing left to try": the Tuner lets the running
-    trials finish and ends, and its stop criterion still ends the search at --max-wallclock-time. (Stopping once N
-    trials have finished would let the free workers start more trials meanwhile, only to cut them off.) It hands
-    the searcher the results that the scheduler reports (no searcher of Syne Tune acts on a failed trial)."""
+    """--max-trials: the scheduler's searcher, proposing max_trials configurations, then None, Syne Tune's "nothing
+    left to try": the Tuner lets the running trials finish and ends (the budget still holds). Stopping once N trials
+    have finished instead would let the free workers start more meanwhile, only to cut them off."""
 
     def __init__(self, searcher, max_trials):
         super().__init__(searcher.config_space, random_seed=searcher.random_seed)
@@ -371,21 +339,15 @@ class AtMost(SingleObjectiveBaseSearcher):
         self.searcher.on_trial_complete(*args, **kwargs)
 
 
-# --- Beyond the tutorial: the trial process, and the local backend that watches its trials ---
+# --- Beyond the tutorial: the trial process, and each local trial's GPU ---
 
 TRIAL_FLAG = f"--{ST_CONFIG_JSON_FNAME_ARG}"  # a backend starts each trial with this flag and its config file
 TRIAL_INFO = "[trial-info]: "  # starts a line of a trial's output: JSON of where it runs
 
 
-def trial_data_folder(data_folder):
-    """The tuner's data folder when this machine has it, else (a trial on another machine of a Ray cluster) this
-    machine's download cache, filled and verified there once."""
-    return data_folder if Path(data_folder).is_dir() else common.fashion_mnist_dir(None)
-
-
 def trial_main(argv):
-    """A trial process: die with the process that started it, take its share of the cores and its device, print
-    where it runs (a TRIAL_INFO line, which the summary reads), then run the objective."""
+    """A trial process: die with the process that started it (the tuner, or the Ray task), take its share of the
+    cores and its device, print where it runs (a TRIAL_INFO line, which the table reads), then run the objective."""
     config = json.loads(Path(argv[argv.index(TRIAL_FLAG) + 1]).read_text())
     if sys.platform.startswith("linux"):  # killed outright (SIGKILL) when its parent dies, even if it is stopped
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -393,104 +355,61 @@ def trial_main(argv):
         raise SystemExit("the process that started this trial is gone")
     torch.set_num_threads(config["threads"])
     device = common.pick_device(config["cuda"], config.get("gpu", 0))
-    where = str(device)
-    if device.type == "cuda":  # which GPU, whatever the index: CUDA_VISIBLE_DEVICES may differ from one node to another
-        where += f" {torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}"
-    print(TRIAL_INFO + json.dumps({"device": where, "host": socket.gethostname(), "pid": os.getpid(),
-                                   "threads": torch.get_num_threads()}), flush=True)
+    where = {"device": str(device), "host": socket.gethostname(), "pid": os.getpid(), "threads": config["threads"]}
+    if device.type == "cuda":  # which GPU, whatever its index (CUDA_VISIBLE_DEVICES may differ between nodes)
+        where["gpu"] = f"{torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}"
+    print(TRIAL_INFO + json.dumps(where), flush=True)
+    # the tuner's data folder, or on another machine of a Ray cluster its download cache, filled there once
+    folder = config["data_folder"] if Path(config["data_folder"]).is_dir() else common.fashion_mnist_dir(None)
     torch.manual_seed(config["seed"])
     model = dropout_mlp(*(config[name] for name in MLP_SPACE)) if config["model"] == "mlp" else None
-    hpo_objective_lenet_synetune({**config, "data_folder": trial_data_folder(config["data_folder"])}, model, device)
+    hpo_objective_lenet_synetune({**config, "data_folder": folder}, model, device)
 
 
-def describe_exit(code):
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+class LocalTrials(LocalBackend):
+    """Syne Tune's local backend (each trial a child process of the tuner) giving each trial the GPU that the fewest
+    running trials use (config["gpu"]), as an index among the GPUs this process sees, which the trial sees too: with
+    more trials than GPUs, Syne Tune's own rotation puts every extra trial on the first busy GPU. Lives in the tuner."""
 
-
-class WatchedTrials(LocalBackend):
-    """Syne Tune's local backend (each trial a child process of the tuner) with each running trial watched, and
-    each trial's GPU chosen. Lives in the tuner process.
-
-    A trial that uses no CPU time and writes nothing to std.out or std.err for trial_timeout seconds (stopped with
-    SIGSTOP or Ctrl-Z, or hung on something that never comes) is killed (SIGKILL: a stopped process would never act
-    on SIGTERM) and fails, with the reason at the end of its std.err: without this it would hold its worker until
-    the budget ran out. Each trial is given the GPU that the fewest running trials use (config["gpu"], used with
-    --cuda), as an index among the GPUs this process sees, which the trial sees too (so a scheduler's subset in
-    CUDA_VISIBLE_DEVICES, GPU UUIDs and MIG instances all hold)."""
-
-    def __init__(self, trial_timeout, **options):
+    def __init__(self, **options):
         super().__init__(rotate_gpus=False, **options)
-        self.trial_timeout = trial_timeout
-        self.last_change, self.reasons, self.gpus = {}, {}, {}
+        self.gpus = {}
 
-    # _schedule and _all_trial_results are TrialBackend's documented extension points
-    def _schedule(self, trial_id, config):
+    def _schedule(self, trial_id, config):  # TrialBackend's documented extension point
         busy = [self.gpus[trial] for trial, process in self.trial_subprocess.items() if process.poll() is None]
         self.gpus[trial_id] = min(range(max(1, torch.accelerator.device_count())), key=busy.count)
         super()._schedule(trial_id, {**config, "gpu": self.gpus[trial_id]})
 
-    def _all_trial_results(self, trial_ids):
-        now = time.monotonic()
-        for trial_id in (trial_id for trial_id in trial_ids if self.trial_subprocess[trial_id].poll() is None):
-            with contextlib.suppress(psutil.Error):  # it has just ended
-                process = psutil.Process(self.trial_subprocess[trial_id].pid)
-                seen = (process.cpu_times()[:2], len(self.stdout(trial_id)), len(self.stderr(trial_id)))
-                last_seen, since = self.last_change.get(trial_id, (None, now))
-                if seen != last_seen:
-                    self.last_change[trial_id] = (seen, now)
-                elif now - since > self.trial_timeout:
-                    how = "stopped" if process.status() == psutil.STATUS_STOPPED else "hung"  # (SIGSTOP, Ctrl-Z)
-                    self.reasons[trial_id] = (f"pid {process.pid} {how}: used no CPU time and wrote nothing for "
-                                              f"{now - since:.0f} s (--trial-timeout {self.trial_timeout:g}), killed")
-                    self.trial_subprocess[trial_id].kill()
-                    with open(self.trial_path(trial_id) / "std.err", "a") as log:
-                        log.write(f"async_hpo: {self.reasons[trial_id]}\n")
-        return super()._all_trial_results(trial_ids)
 
-    def failure_reason(self, trial_id):
-        return self.reasons.get(trial_id) or describe_exit(self.trial_subprocess[trial_id].poll())
-
-
-# --- Beyond the tutorial: the console (one line per trial event), tuner.log, results kept whole, signals ---
+# --- Beyond the tutorial: a line per trial event, the table of every trial, results kept whole, the summary ---
 
 class Search(TunerCallback):
-    """The search as the console shows it, one line per trial event (started, completed, stopped early, failed, cut
-    off), each printed once, and as the summary reads it: its folder, backend and wall-clock span, and a row per trial
-    with how it ended, its configuration, epochs, last and best validation error, busy time and where it ran (its
-    TRIAL_INFO lines). A trial is busy from when the tuner started it to when the tuner saw it end (it exited, was
-    stopped, failed, or the search ended): one clock, the tuner's, whatever machine ran the trial. Lives in the tuner
-    process."""
+    """A row per trial for the table and the summary (Syne Tune prints a line per trial event itself): how it ended,
+    its configuration, epochs, last and best validation error, busy time (from when the tuner started it to when the
+    tuner saw it end, on the tuner's clock whatever machine ran it) and where it ran (its TRIAL_INFO lines). Lives in
+    the tuner process."""
 
-    def __init__(self, out, hyperparameters):
-        self.out, self.hyperparameters = out, hyperparameters
-        self.rows, self.reports, self.best = {}, {}, float("inf")
+    def __init__(self, hyperparameters):
+        self.hyperparameters, self.rows, self.errors = hyperparameters, {}, {}
 
     def on_tuning_start(self, tuner):
         self.path, self.backend, self.started_at = tuner.tuner_path, tuner.trial_backend, time.time()
 
     def on_start_trial(self, trial):
-        config = {name: trial.config[name] for name in self.hyperparameters}
-        self.reports[trial.trial_id] = (time.time(), [])  # when it started, and the errors it reported
-        self.rows[trial.trial_id] = {"trial": trial.trial_id, "status": None, **config}
-        print(f"trial {trial.trial_id} started | " + " | ".join(f"{key} {value:.4g}" for key, value in config.items()),
-              file=self.out, flush=True)
+        self.errors[trial.trial_id] = []
+        self.rows[trial.trial_id] = {"trial": trial.trial_id, "status": None, "busy_s": time.time(),
+                                     **{name: trial.config[name] for name in self.hyperparameters}}
 
     def end(self, trial_id, how):
-        row, (started, errors) = self.rows[trial_id], self.reports[trial_id]
+        row, errors = self.rows[trial_id], self.errors[trial_id]
         if row["status"] is None:
             info = dict(item for line in self.backend.stdout(trial_id) if line.startswith(TRIAL_INFO)
                         for item in json.loads(line[len(TRIAL_INFO):]).items())
-            # (a trial reports once per epoch)
-            row.update(epochs=len(errors), val_err=errors[-1] if errors else None, best_err=min(errors, default=None),
-                       busy_s=round(time.time() - started, 3), status=how, **info)
-            detail = f"epoch {len(errors)} | val err {errors[-1]:.4f} | best {self.best:.4f}" if errors else "no report"
-            if how == "failed":
-                detail = f"{self.backend.failure_reason(trial_id)} | log {self.backend.trial_path(trial_id)}"
-            print(f"trial {trial_id} {how} | {detail}", file=self.out, flush=True)
+            row.update(status=how, epochs=len(errors), val_err=errors[-1] if errors else None,
+                       best_err=min(errors, default=None), busy_s=round(time.time() - row["busy_s"], 3), **info)
 
     def on_trial_result(self, trial, status, result, decision):
-        self.reports[trial.trial_id][1].append(result[METRIC])
-        self.best = min(self.best, result[METRIC])
+        self.errors[trial.trial_id].append(result[METRIC])
         if decision == SchedulerDecision.STOP:  # ASHA's, or its last rung
             self.end(trial.trial_id, "completed" if result[RESOURCE] >= trial.config["max_epochs"] else "stopped early")
 
@@ -498,8 +417,9 @@ class Search(TunerCallback):
         self.end(trial.trial_id, "completed")
 
     def on_fetch_status_results(self, trial_status_dict, new_results):
-        for trial_id in (trial_id for trial_id, (_, status) in trial_status_dict.items() if status == Status.failed):
-            self.end(trial_id, "failed")
+        for trial_id, (_, status) in trial_status_dict.items():
+            if status == Status.failed:
+                self.end(trial_id, "failed")
 
     def on_tuning_end(self):
         for trial_id in self.rows:
@@ -507,93 +427,59 @@ class Search(TunerCallback):
         self.ended_at = time.time()
 
 
-class KeptResults(StoreResultsCallback):
+class AtomicResults(StoreResultsCallback):
     """Syne Tune's record of every report (results.csv.zip, which load_experiment reads), written atomically: a write
-    that fails keeps the previous file whole and ends the search (RunFailed, one line)."""
+    that fails keeps the previous file whole."""
 
     def store_results(self):
         if self.csv_file is not None:
-            packed = io.BytesIO()
-            self.dataframe().to_csv(packed, index=False, compression={"method": "zip", "archive_name": "results.csv"})
-            common.write_or_fail(self.csv_file, packed.getvalue(), "--results-dir")
+            data = io.BytesIO()
+            self.dataframe().to_csv(data, index=False, compression={"method": "zip", "archive_name": "results.csv"})
+            common.atomic_write(self.csv_file, data.getvalue())
 
 
-def stop_on_signals(signum, frame):
-    """The handler that run_search gives SIGINT and SIGTERM: the search ends with one line and exit status 128 + the
-    signal, a SystemExit, on which Syne Tune's Tuner stops every trial (by default SIGTERM would end the tuner alone).
-    The same signal again (a second Ctrl-C) is ignored, so that it cannot cut that clean-up short."""
-    signal.signal(signum, signal.SIG_IGN)
-    print(f"{Path(sys.argv[0]).name}: {signal.Signals(signum).name}: every trial is stopped", file=sys.stderr)
-    sys.exit(128 + signum)
-
-
-def run_search(args, config_space, backend, entry_point=__file__, out=None):
-    """tune() on backend (a subclass of LocalBackend) with the bookkeeping: the scheduler of --scheduler (and
-    --max-trials), one line per trial event on out, Syne Tune's messages in tuner.log, results written atomically,
-    SIGINT and SIGTERM handled by stop_on_signals. Too many failed trials, and files that cannot be written, end it
-    with one line (RunFailed); trials that the Tuner could not stop then die with this process (trial_main; on Ray,
-    with the job). Returns the Search."""
-    results_dir = Path(args.results_dir).resolve()
-    os.environ["SYNETUNE_FOLDER"] = str(results_dir)  # Syne Tune's way to say where experiments go
-    name = name_from_base(f"async-hpo-{args.scheduler}{'-sync' if args.sync else ''}")
+def run_search(args, config_space, backend):
+    """tune() on backend (a subclass of LocalBackend) with the scheduler of --scheduler (and --max-trials), the rows
+    of the table and results written atomically. More failed trials than --max-failures end it in one line, after
+    the log of the first that Syne Tune prints. Returns the Search."""
+    os.environ["SYNETUNE_FOLDER"] = str(Path(args.results_dir).resolve())  # where Syne Tune puts experiments
     scheduler = make_scheduler(args, config_space)
     if args.max_trials:
         scheduler.searcher = AtMost(scheduler.searcher, args.max_trials)
-    search = Search(out or sys.stdout, [key for key, value in config_space.items() if isinstance(value, Domain)])
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop_on_signals)
+    search = Search([key for key, value in config_space.items() if isinstance(value, Domain)])
+    name = f"async-hpo-{args.scheduler}{'-sync' if args.sync else ''}"  # Syne Tune adds the time
     try:
-        # Syne Tune's banners and status tables (printed), its log messages and Python warnings (botorch's) go to
-        # tuner.log, line by line (a full disk ends the search at the next line), so that the console keeps one line
-        # per trial event; the file is the root logger's from now on
-        (results_dir / name).mkdir(parents=True, exist_ok=True)
-        log = open(results_dir / name / "tuner.log", "a", buffering=1)
-        logging.basicConfig(stream=log, level=logging.INFO, force=True)  # where Syne Tune's loggers end up
-        logging.captureWarnings(True)
-        logging.raiseExceptions = False  # a message that cannot be written is dropped, not a traceback on the console
-        with contextlib.redirect_stdout(log):
-            tune(args, scheduler, name, [search, KeptResults()], backend, entry_point)
+        tune(args, scheduler, name, [search, AtomicResults()], backend)
     except ValueError:  # Syne Tune's way to say that more than max_failures trials failed
-        failed = [trial_id for trial_id, row in search.rows.items() if row["status"] == "failed"]
-        if len(failed) <= args.max_failures:
+        failed = sum(row["status"] == "failed" for row in search.rows.values())
+        if failed <= args.max_failures:
             raise
-        raise common.RunFailed(f"trial {failed[0]} failed ({search.backend.failure_reason(failed[0])}; its log: "
-                               f"{search.backend.trial_path(failed[0])}); {len(failed)} failed, more than "
-                               f"--max-failures {args.max_failures}: the search stopped") from None
-    except OSError as error:  # most likely a full disk, a file-size limit or a folder that became read-only
-        if common.one_line(error):  # the console's reader gone, or a full output device
-            raise
-        raise common.RunFailed(f"{error.filename or results_dir / name}: {error.strerror}; free space on that disk, "
-                               f"lift the file-size limit or change --results-dir; older files are intact") from None
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {failed} trials failed, more than --max-failures "
+                 f"{args.max_failures}: the search stopped (the trials' logs: {search.path})")
     return search
 
 
-# --- Beyond the tutorial: the summary, a table of every trial, worker utilisation, the JSON line ---
-
-def summarize(search, n_workers):
-    """Trial counts by how they ended, and worker utilisation: busy trial time / (n_workers x wall time)."""
-    wall, rows = search.ended_at - search.started_at, list(search.rows.values())
-    count = {how: sum(row["status"] == how for row in rows) for how in ("completed", "stopped early", "failed")}
-    return dict(trials_started=len(rows), trials_finished=sum(count.values()), trials_completed=count["completed"],
-                trials_stopped_early=count["stopped early"], trials_failed=count["failed"], wall_time_s=round(wall, 1),
-                utilisation=round(sum(row["busy_s"] for row in rows) / (n_workers * wall), 4))
-
-
 def report(args, search):
-    """The tutorial's ending, the best configuration (as load_experiment reads the results back) and its two figures,
-    with a table of every trial and the JSON line."""
+    """The tutorial's ending, the best configuration (as load_experiment reads the results back) and its two figures;
+    then the table of every trial, and the JSON line with the counts and the worker utilisation: busy trial time /
+    (n_workers x wall time)."""
     experiment = load_experiment(search.path.name, local_path=str(search.path.parent))
-    if experiment.results is None:
-        raise common.RunFailed(f"no trial reported a result within --max-wallclock-time {args.max_wallclock_time:g}; "
-                               f"give it more time (the trials' logs: {search.path})")
+    check(experiment.results is not None, f"no trial reported a result within --max-wallclock-time "
+                                          f"{args.max_wallclock_time:g}; give it more time (the trials' logs: "
+                                          f"{search.path})")
     best = search.rows[int(experiment.best_config()["trial_id"])]  # the trial of the lowest validation error
-    columns = ["trial", "status", *search.hyperparameters, "epochs", "val_err", "best_err", "busy_s"]
-    print(pd.DataFrame(search.rows.values())[columns].to_string(index=False, na_rep="-", float_format="{:.5g}".format))
+    rows, wall = pd.DataFrame(search.rows.values()), search.ended_at - search.started_at
+    print(rows[["trial", "status", *search.hyperparameters, "epochs", "val_err", "best_err", "busy_s"]].to_string(
+        index=False, na_rep="-", float_format="{:.5g}".format))
+    count = {how: int((rows["status"] == how).sum()) for how in ("completed", "stopped early", "failed")}
     common.emit_result(
         "async_hpo", model=args.model, scheduler=args.scheduler, sync=args.sync, n_workers=args.n_workers,
         ray_address=args.ray_address, best_config={name: best[name] for name in search.hyperparameters},
-        best_validation_error=best["best_err"], best_trial=best["trial"], **summarize(search, args.n_workers),
-        trials=list(search.rows.values()), experiment=search.path.name, results_dir=str(search.path.parent),
+        best_validation_error=best["best_err"], best_trial=best["trial"], trials_started=len(rows),
+        trials_finished=sum(count.values()), trials_completed=count["completed"],
+        trials_stopped_early=count["stopped early"], trials_failed=count["failed"], wall_time_s=round(wall, 1),
+        utilisation=round(rows["busy_s"].sum() / (args.n_workers * wall), 4), trials=list(search.rows.values()),
+        experiment=search.path.name, results_dir=str(search.path.parent),
         figures={name: str(path) for name, path in plot_figures(experiment.results, search.path).items()})
 
 
@@ -602,11 +488,10 @@ def report(args, search):
 def connect_to_ray(address, entry_point):
     """Join the Ray cluster at address as its driver; returns its alive nodes as (CPUs, GPUs) pairs.
 
-    An address nothing answers at is a UsageError at once, where ray.init would keep retrying: HOST:PORT (for
-    auto, RAY_ADDRESS if set: ray.init's rule) is tried with a TCP connection first. The trials' code travels with
-    the job: Ray's runtime_env working_dir, the entry point's folder with everything in it excluded but the entry
-    point and common.py (never the project's data or its .venv), is uploaded once and becomes the working folder of
-    every trial task on every node."""
+    HOST:PORT is tried with a TCP connection first: nothing answering is one line at once, where ray.init would keep
+    retrying. The trials' code travels with the job: Ray's runtime_env working_dir, the entry point's folder with
+    everything excluded but the entry point and common.py (never the project's data or its .venv), uploaded once, is
+    the working folder of every trial task on every node."""
     target = (os.environ.get("RAY_ADDRESS") or address) if address == "auto" else address
     fix = "start one with `ray start --head`, or fix the address"
     if target != "auto":
@@ -616,12 +501,11 @@ def connect_to_ray(address, entry_point):
         except (OSError, ValueError, OverflowError) as error:
             raise common.UsageError(f"--ray-address {address}: nothing answers at {target} ({error}); {fix}") from None
     import ray
-    # "[!.]*" and ".?*" exclude every file and folder in it, but not the folder itself, as "*" would
-    try:
+    try:  # "[!.]*" and ".?*" exclude every file and folder in it, but not the folder itself, as "*" would
         ray.init(address=address, runtime_env={"working_dir": str(entry_point.parent), "excludes": [
             "[!.]*", ".?*", f"!/{entry_point.name}", "!/common.py"]}, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as error:  # no cluster, a token that differs
-        raise common.UsageError(f"--ray-address {address}: {str(error).splitlines()[0]}; {fix}") from None
+        raise common.UsageError(f"--ray-address {address}: {common.brief(error)}; {fix}") from None
     return [(int(node["Resources"].get("CPU", 0)), int(node["Resources"].get("GPU", 0)))
             for node in ray.nodes() if node["Alive"]]
 
@@ -637,20 +521,19 @@ def cpus_per_trial(nodes, n_workers, gpus_per_trial):
 
 
 def run_trial_on_node(entry_point, config_text):
-    """A Ray task: run one trial on the node Ray placed it on, as the local backend runs it here, from the job's
-    working folder (connect_to_ray) and with this task's share of the node (Ray sets CUDA_VISIBLE_DEVICES and
-    OMP_NUM_THREADS for it). Yields a TRIAL_INFO line with the node's Ray ID and IP address, then the trial's output
-    (stdout and stderr in one stream) line by line, then its exit status. The trial reads its configuration from a
-    pipe, so it leaves no file on the node; the configuration names this Ray worker as the trial's parent, so when
-    the tuner cancels the task, or goes away, Ray kills the worker and the trial dies with it (trial_main)."""
+    """A Ray task: run one trial on the node Ray placed it on, as the local backend runs it here, with this task's
+    share of the node (Ray sets CUDA_VISIBLE_DEVICES and OMP_NUM_THREADS for it). Yields the trial's output (stdout
+    and stderr in one stream) line by line, then its exit status. The trial reads its configuration from a pipe, so
+    it leaves no file on the node; the configuration names this Ray worker as the trial's parent, so when the tuner
+    cancels the task, or goes away, Ray kills the worker and the trial dies with it (trial_main). A TRIAL_INFO line
+    names the node first."""
     import ray
     node = {"node": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address()}
     yield TRIAL_INFO + json.dumps(node) + "\n"
     with subprocess.Popen([sys.executable, entry_point, TRIAL_FLAG, "/dev/stdin"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as trial:
-        # a few hundred bytes: the pipe holds them until the trial reads
         trial.stdin.write(json.dumps({**json.loads(config_text), "parent_pid": os.getpid()}))
-        trial.stdin.close()
+        trial.stdin.close()  # (a few hundred bytes: the pipe holds them until the trial reads)
         for line in trial.stdout:  # (not `yield from`: Ray drives the task with send())
             yield line
     yield trial.returncode
@@ -665,8 +548,7 @@ class RayTrials(LocalBackend):
     def __init__(self, cpus, gpus, **options):
         import ray
         super().__init__(rotate_gpus=False, **options)
-        self.trials, self.streams = {}, {}  # by trial id
-        self.exit_codes, self.reasons = {}, {}
+        self.trials, self.streams, self.exit_codes = {}, {}, {}  # by trial id
         # SPREAD: trials on different nodes while there are free ones. No retries: a trial whose node died has
         # failed, and Syne Tune decides what runs next.
         self.task = ray.remote(run_trial_on_node).options(
@@ -690,9 +572,8 @@ class RayTrials(LocalBackend):
                     try:
                         item = ray.get(next(self.streams[trial_id]))
                     except ray.exceptions.RayError as error:  # its node died, its worker was killed, or cancelled
-                        why = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-                        self.reasons[trial_id], item = f"ray: {why}", 1
-                        (self.trial_path(trial_id) / "std.err").write_text(self.reasons[trial_id] + "\n")
+                        (self.trial_path(trial_id) / "std.err").write_text(f"ray: {common.brief(error)}\n")
+                        item = 1
                     if isinstance(item, int):
                         self.exit_codes[trial_id] = item
                     else:
@@ -707,9 +588,6 @@ class RayTrials(LocalBackend):
         ray.cancel(self.streams[trial_id], force=True)  # Ray kills the task's worker, and the trial with it
         (self.trial_path(trial_id) / "stop").touch()  # as the local backend marks a trial it stopped
 
-    def failure_reason(self, trial_id):
-        return self.reasons.get(trial_id) or describe_exit(self.exit_codes[trial_id])
-
 
 # --- main: flags, data, the backend, the search, the report ---
 
@@ -719,8 +597,7 @@ def main(argv=None):
         return trial_main(argv)
     args = common.parse_args(Args, argv)
     validate(args)
-    data_folder = Path(common.fashion_mnist_dir(args.data_dir)).resolve()
-    common.load_fashion_mnist(data_folder)  # every file verified here: a damaged one is one line before any trial
+    data_folder = Path(common.fashion_mnist_dir(args.data_dir)).resolve()  # downloaded once, checked before any trial
     if args.ray_address:
         nodes = connect_to_ray(args.ray_address, Path(__file__).resolve())
         gpus_per_trial = 1 / args.trials_per_gpu if args.cuda else 0
@@ -730,8 +607,7 @@ def main(argv=None):
                                    f"cluster can run at once (CPUs, GPUs of its nodes: {nodes})")
         backend = functools.partial(RayTrials, threads, gpus_per_trial)
     else:
-        threads = args.trial_threads or max(1, common.usable_cpus() // args.n_workers)
-        backend = functools.partial(WatchedTrials, args.trial_timeout)
+        threads, backend = args.trial_threads or max(1, common.usable_cpus() // args.n_workers), LocalTrials
     config_space = {**make_config_space(args, data_folder), **(MLP_SPACE if args.model == "mlp" else {}),
                     "model": args.model, "threads": threads, "cuda": args.cuda, "parent_pid": os.getpid()}
     report(args, run_search(args, config_space, backend))

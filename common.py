@@ -22,9 +22,11 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import typing
 import urllib.request
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Annotated
@@ -32,6 +34,7 @@ from typing import Annotated
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import rpc
 
 # ---------------------------------------------------------------------------------------------------------
 # 1. Errors and flags
@@ -155,6 +158,7 @@ def worker(run_worker):
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         torch.set_num_threads(max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's RPC calls its deprecated API
         status, env = 0, torchrun_env()
         if env and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] and env["MASTER_ADDR"] in ("localhost", "127.0.0.1"):
             listen_on_loopback()  # one machine: torchrun --standalone
@@ -170,6 +174,21 @@ def worker(run_worker):
         sys.stdout.flush()
         os._exit(status)
     return run
+
+
+FINISHED = threading.Event()  # set by a process once its part of the run is done: see serve
+
+
+def finished():
+    return FINISHED.is_set()
+
+
+def serve(peer, timeout):
+    """Serve RPCs (in the RPC threads) until `peer` is done (FINISHED set in its process), asking it every half
+    second: a peer that is stopped or hung, or whose machine froze, ends this process within the timeout, where
+    rpc.shutdown would wait for it forever."""
+    while not rpc.rpc_sync(peer, finished, timeout=timeout):
+        time.sleep(0.5)
 
 
 def listen_on_loopback():

@@ -446,6 +446,9 @@ def run_worker(rank, world_size, store, args, agent_class, saved):
                  rpc_backend_options=options)
     if rank == 0:
         run_agent(agent_class(world_size, args, saved), args)
+        common.FINISHED.set()
+    else:  # observers passively waiting for instructions from the agent, which they ask whether it is done
+        common.serve(AGENT_NAME, args.rpc_timeout)
     # block until all rpcs finish, and shutdown the RPC instance
     rpc.shutdown()
 

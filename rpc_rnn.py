@@ -45,14 +45,13 @@ from torch.distributed import rpc
 from torch.distributed.optim import DistributedOptimizer
 
 import common
-from common import DataDir, InFile, OutDir, OutFile, Positive, PositiveFloat, Seconds, Seed, check
+from common import Positive, PositiveFloat, Seed, check
 
 PS_NAME = "ps"
 TRAINER_NAME = "trainer"
 SCRIPT = "rpc_rnn"
 EVAL_BATCH_SIZE = 10  # word_language_model's, for the valid and test sets
 CHECKPOINT = "rpc_rnn.pt"  # the file in --checkpoint-dir
-SIZES = "--emsize, --nhid, --bptt or --batch-size"  # the flags that set how much memory a run takes
 
 
 @dataclasses.dataclass
@@ -84,13 +83,13 @@ class Args:
     log_interval: Positive = 200
     """training batches between two log lines"""
     # Data
-    data_dir: DataDir | None = None
+    data_dir: str | None = None
     """folder with train.txt, valid.txt and test.txt (or a wikitext-2 folder holding them), any text in that format;
     not given: WikiText-2, downloaded into the per-user cache on first use"""
     # Output and checkpoints
-    save: OutFile | None = None
+    save: str | None = None
     """write the model with the best valid loss to this file, for --generate or for one process; not given: not saved"""
-    checkpoint_dir: OutDir | None = None
+    checkpoint_dir: str | None = None
     """write a checkpoint of the whole run (both processes) to rpc_rnn.pt in this folder after every epoch;
     not given: no checkpoints"""
     resume: bool = False
@@ -99,14 +98,14 @@ class Args:
     # Sampling from a saved model
     generate: Positive | None = None
     """sample N words from the --load file in this process, then exit; not given: train"""
-    load: InFile | None = None
+    load: str | None = None
     """the file --generate samples from: written by --save, or a --checkpoint-dir checkpoint"""
     temperature: PositiveFloat = 1.0
     """sampling temperature for --generate (lower: more conservative text)"""
     # Devices and launch
     cuda: bool = False
     """embedding and decoder on the ps's GPU, the LSTM on the trainer's; RPC device maps move the tensors"""
-    rpc_timeout: Seconds = 60.0
+    rpc_timeout: PositiveFloat = 60.0
     """an RPC to a peer that is stuck or stopped fails after this long and ends the run (a dead peer is noticed
     at once)"""
     # Beyond the tutorial
@@ -119,27 +118,19 @@ class Args:
 
 
 def validate(args):
-    """The rules that involve several flags, the machine or the launcher's variables (each flag's own rule is its
-    type in Args), checked before any data is read: each broken rule is one line and exit status 2."""
+    """The rules that involve several flags or the launcher's variables (each flag's own rule is its type in Args),
+    checked before any data is read: each broken rule is one line and exit status 2."""
     check(0 <= args.dropout < 1, f"--dropout {args.dropout}: not from 0 up to, not including, 1")
-    check(args.temperature >= 1e-3, f"--temperature {args.temperature}: below the tutorial's floor; pass 1e-3 or more")
     check(not args.cuda or torch.accelerator.device_count() > 0, "--cuda given but no GPU found; run without --cuda")
     check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
           "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")
+    check(not args.load or Path(args.load).is_file(), f"--load {args.load}: no such file")
     check(not args.check_gradients or args.dropout == 0, "--check-gradients needs --dropout 0 (dropout masks differ)")
     check(args.checkpoint_dir or not args.resume, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
                                         "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
-    if args.generate:  # one process samples from --load, with its model and its words: the rest is for training
-        common.check_used(args, **{field.name: "to train, not with --generate" for field in dataclasses.fields(args)
-                                   if field.name not in ("generate", "load", "temperature", "seed")})
-    else:
-        common.check_used(args, temperature="with --generate")
-    if args.check_gradients:
-        common.check_used(args, **{name: "to train, not with --check-gradients" for name in
-                                   ("epochs", "log_interval", "save", "checkpoint_dir", "resume")})
     if args.checkpoint_dir:
-        common.checkpoint_file(args.checkpoint_dir, CHECKPOINT, args.save)
+        common.make_dir("--checkpoint-dir", args.checkpoint_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -355,28 +346,29 @@ def windows(data, bptt, count=None):
 # Beyond the tutorial: the pieces where they live, and clipping on the global norm over both processes
 # ---------------------------------------------------------------------------------------------------------
 
-def pieces(model):
-    """The model's three pieces under LocalRNNModel's names: RRefs to the ps's two, and the LSTM, which lives here."""
-    return {"embedding": model.emb_table_rref, "rnn": model.rnn, "decoder": model.decoder_rref}
+PIECES = {EmbeddingTable: "embedding", nn.LSTM: "rnn", Decoder: "decoder"}  # the pieces' names in LocalRNNModel
 
 
-def run_on(piece, function, *args):
-    """function(piece, *args), run where the piece lives (an RRef's by RPC, on its owner, as a module), its device
-    settled before and after: it may read what another call wrote (gradients, weights) or write what it does not
-    return."""
-    if not isinstance(piece, nn.Module):
-        return _remote_method(run_on, piece, function, *args)
-    settle(piece)
-    result = function(piece, *args)
-    settle(piece)
-    return result
+def run_on(pieces, function, *args):
+    """function(module, *args) for each of the pieces (modules, or RRefs to modules this process owns), here, each
+    module's device settled before and after (it may read what another call wrote, or write what it does not
+    return); what they return, {key: tensor} or None, merged under LocalRNNModel's names."""
+    results = {}
+    for piece in pieces:
+        module = piece if isinstance(piece, nn.Module) else piece.local_value()
+        settle(module)
+        name = PIECES[type(module)]
+        results.update({f"{name}.{key}": value for key, value in (function(module, *args) or {}).items()})
+        settle(module)
+    return results
 
 
 def on_pieces(model, function, *args):
-    """function(piece, *args), run where each piece lives (run_on); what it returns, {name: tensor} or None, merged
-    under LocalRNNModel's names."""
-    return {f"{name}.{key}": tensor for name, piece in pieces(model).items()
-            for key, tensor in (run_on(piece, function, *args) or {}).items()}
+    """run_on every piece where it lives: ONE RPC for the ps's two, then the LSTM here; the results in LocalRNNModel's
+    order of pieces (embedding, rnn, decoder)."""
+    merged = {**rpc.rpc_sync(PS_NAME, run_on, args=([model.emb_table_rref, model.decoder_rref], function, *args)),
+              **run_on([model.rnn], function, *args)}
+    return dict(sorted(merged.items(), key=lambda item: list(PIECES.values()).index(item[0].split(".")[0])))
 
 
 def context_grads(module, context_id):
@@ -396,12 +388,13 @@ def clip_grads(module, max_norm, total_norm):
 
 class ClippedOptimizer(DistributedOptimizer):
     """torch's DistributedOptimizer (SGD on each owner of parameters, PlainSGD) that first clips the gradients of
-    the context on their global norm over both processes, and after the step waits until its writes are done on GPUs
-    (see settle): the next window reads the weights it wrote."""
+    the context on their global norm over both processes, and on GPUs after the step waits until its writes are done
+    (see settle): the next window reads the weights it wrote. Three RPCs to the ps a step on CPUs, four on GPUs."""
 
     def __init__(self, model, lr, max_norm):
         super().__init__(PlainSGD, model.parameter_rrefs(), lr=lr)
         self.model, self.max_norm, self.norms = model, max_norm, []
+        self.on_gpus = next(model.rnn.parameters()).is_cuda
 
     def step(self, context_id):
         """torch.nn.utils.clip_grad_norm_ over the gradients of the context, on both processes, to the bit: each
@@ -412,7 +405,8 @@ class ClippedOptimizer(DistributedOptimizer):
         on_pieces(self.model, clip_grads, self.max_norm, total_norm)
         self.norms.append(total_norm.item())
         super().step(context_id)
-        on_pieces(self.model, settle)
+        if self.on_gpus:
+            on_pieces(self.model, settle)
 
 
 def cpu_state_dict(module):
@@ -420,11 +414,10 @@ def cpu_state_dict(module):
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
 
-def load_gathered(model, state):
-    """Load weights under LocalRNNModel's names into the pieces, where each lives."""
-    for piece, module in pieces(model).items():
-        run_on(module, nn.Module.load_state_dict, {name.split(".", 1)[1]: tensor for name, tensor in state.items()
-                                                   if name.split(".", 1)[0] == piece})
+def load_own(module, state):
+    """module.load_state_dict with its own entries of a state under LocalRNNModel's names."""
+    prefix = PIECES[type(module)] + "."
+    module.load_state_dict({key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -458,6 +451,11 @@ def cpu_grads(module):
 # ---------------------------------------------------------------------------------------------------------
 # Beyond the tutorial: word_language_model's recipe (epochs, validation, lr / 4, the best weights), checkpoints
 # ---------------------------------------------------------------------------------------------------------
+
+def perplexity(loss):
+    """exp(loss), or inf (null in the result line) where that overflows, as after a run diverged."""
+    return math.exp(loss) if loss < 700 else math.inf
+
 
 def seed_epoch(seed, epoch):
     """Seed the generator that draws this process's dropout masks from --seed, the epoch and the rank (the RPC worker
@@ -523,7 +521,7 @@ def run_trainer(args, corpus, model, device, saved):
     # has every batch's, and `tokens` were trained on in `seconds` of training.
     run = SimpleNamespace(lr=args.lr, epoch=1, best_valid=math.inf, best_state=None, losses=[], tokens=0, seconds=0.0)
     if saved:  # the weights of both processes back, and the run where the checkpoint was taken
-        load_gathered(model, saved["model"])
+        on_pieces(model, load_own, saved["model"])
         print(f"resuming at epoch {saved['run']['epoch']} from {Path(args.checkpoint_dir, CHECKPOINT)}", flush=True)
         run = SimpleNamespace(**saved["run"])
     while run.epoch <= args.epochs:
@@ -541,11 +539,11 @@ def run_trainer(args, corpus, model, device, saved):
                 count, seconds = (batch - 1) % args.log_interval + 1, time.perf_counter() - since  # since the last line
                 mean = sum(run.losses[-count:]) / count
                 print(f"epoch {run.epoch} | batch {batch}/{len(batches)} | lr {run.lr:.2f} | "
-                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {math.exp(min(mean, 50)):.1f}",
+                      f"{1000 * seconds / count:.1f} ms/batch | loss {mean:.2f} | ppl {perplexity(mean):.1f}",
                       flush=True)
                 run.seconds, since = run.seconds + seconds, time.perf_counter()
         valid_loss = evaluate(model, valid_data, args.bptt)  # `since` is the end of training: the last batch is logged
-        print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {math.exp(min(valid_loss, 50)):.1f} | "
+        print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {perplexity(valid_loss):.1f} | "
               f"{since - epoch_start:.1f} s/epoch", flush=True)
         if valid_loss < run.best_valid:
             run.best_valid, run.best_state = valid_loss, on_pieces(model, cpu_state_dict)
@@ -558,14 +556,14 @@ def run_trainer(args, corpus, model, device, saved):
             save_model(Path(args.checkpoint_dir, CHECKPOINT), "--checkpoint-dir", args, corpus.words,
                        model=on_pieces(model, cpu_state_dict), recipe=recipe(args), run=vars(run))
     if run.best_state is not None:
-        load_gathered(model, run.best_state)  # test the weights that were kept, as word_language_model does
+        on_pieces(model, load_own, run.best_state)  # test the weights that were kept, as word_language_model does
     test_loss = evaluate(model, test_data, args.bptt)
-    print(f"test loss {test_loss:.2f} | test ppl {math.exp(min(test_loss, 50)):.1f}", flush=True)
+    print(f"test loss {test_loss:.2f} | test ppl {perplexity(test_loss):.1f}", flush=True)
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=len(corpus.words),
                        devices={PS_NAME: "cuda:0" if args.cuda else "cpu", TRAINER_NAME: str(device)},
                        batches=len(run.losses), losses=[round(x, 6) for x in run.losses[:200]],
-                       valid_loss=run.best_valid, valid_ppl=math.exp(min(run.best_valid, 50)), test_loss=test_loss,
-                       test_ppl=math.exp(min(test_loss, 50)), lr=run.lr, tokens_per_s=run.tokens / run.seconds)
+                       valid_loss=run.best_valid, valid_ppl=perplexity(run.best_valid), test_loss=test_loss,
+                       test_ppl=perplexity(test_loss), lr=run.lr, tokens_per_s=run.tokens / run.seconds)
 
 
 def compare_gradients(args, corpus, model, device, saved=None):
@@ -613,34 +611,22 @@ def generate_words(args):
 # ---------------------------------------------------------------------------------------------------------
 
 def load_run(args):
-    """The text and the checkpoint to continue (or None), read and checked: by main before any process starts, then
-    by the trainer, which mp.spawn sends only their paths (sent whole, they would travel through /dev/shm, which a
-    container may keep too small, and make the start long enough for Ctrl-C to cut it short).
-
-    --save must not name a file of the text, which the first epoch would write the model over; each split must give
-    every stream of its batch at least one window of two words; a --resume checkpoint must have been written for this
-    text; this machine must hold the model and a window's logits (each weight four times: itself, its gradient, the
-    best and the checkpointed copy; each logit three: itself, its softmax and its gradient)."""
+    """The text and the checkpoint to continue (or None), read and checked once, before the training starts: each
+    split must give every stream of its batch at least one window of two words, and a --resume checkpoint must have
+    been written for this text."""
     saved = read_checkpoint(args) if args.resume else None
-    folder = wikitext2_dir(args.data_dir)
-    check(not args.save or Path(args.save).resolve() not in [Path(folder, name).resolve() for name in WIKITEXT2_FILES],
-          f"--save {args.save}: a file of the text this run reads; pass another file")
-    corpus = Corpus(folder)
+    corpus = Corpus(wikitext2_dir(args.data_dir))
     for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):
         tokens = getattr(corpus, split).numel()
         check(tokens // size >= 2, f"{split}.txt has {tokens} tokens, too few for {size} streams of 2 words or more; "
                                    f"pass more text" + (" or a smaller --batch-size" if split == "train" else ""))
     check(not saved or saved["vocab"] == corpus.words, f"--resume {args.checkpoint_dir}: written for another text "
           f"(its vocabulary differs); pass the same --data-dir or another --checkpoint-dir")
-    ntoken, window = len(corpus.words), min(args.bptt, corpus.train.numel() // args.batch_size)
-    weights = ntoken * (args.emsize + args.nhid + 1) + 4 * args.nhid * (args.emsize + args.nhid + 2) * args.nlayers
-    common.check_memory("the model and a window's logits", 4 * (4 * weights + 3 * window * args.batch_size * ntoken),
-                        SIZES)
     return corpus, saved
 
 
 @common.worker
-def run_worker(rank, world_size, store, args, trainer):
+def run_worker(rank, world_size, store, args, trainer, corpus, saved):
     """Rank 0 becomes the ps and answers RPCs until the trainer is done; rank 1 becomes the trainer and runs
     `trainer` (run_trainer, or compare_gradients for --check-gradients) on the tutorial's RNNModel."""
     # The ps and the trainer take turns (embedding, LSTM, decoder, then backward in reverse), never computing at
@@ -654,15 +640,19 @@ def run_worker(rank, world_size, store, args, trainer):
     device = common.pick_device(args.cuda, min(common.local_rank(rank), torch.accelerator.device_count() - 1))
     common.set_tf32(device, not args.check_gradients)  # the check compares with the CPU: IEEE float32 on both sides
     ps_device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
-    common.init_rpc(store, TRAINER_NAME if rank else PS_NAME, rank, world_size, args.rpc_timeout,
-                    device_maps={PS_NAME: {device: ps_device}} if args.cuda and rank else None,
-                    devices=[device] if args.cuda else None)
+    # an RPC to a peer that is gone or silent fails after --rpc-timeout instead of hanging
+    maps, devices = ({PS_NAME: {device: ps_device}} if rank else None, [device]) if args.cuda else (None, None)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=common.init_method(store, "rpc"), device_maps=maps,
+                                              devices=devices, rpc_timeout=args.rpc_timeout)
+    rpc.init_rpc(TRAINER_NAME if rank else PS_NAME, rank=rank, world_size=world_size, rpc_backend_options=options)
     if rank == 1:
-        corpus, saved = load_run(args)
         model = RNNModel(PS_NAME, len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed,
                          device, ps_device, args.ship_logits)
         trainer(args, corpus, model, device, saved)
-    rpc.shutdown()  # the ps waits here, answering RPCs, until the trainer is done too
+        common.FINISHED.set()
+    else:  # the ps answers RPCs in its RPC threads meanwhile
+        common.serve(TRAINER_NAME, args.rpc_timeout)
+    rpc.shutdown()
 
 
 def main(argv=None):
@@ -670,13 +660,15 @@ def main(argv=None):
     validate(args)
     if args.generate:  # sampling from a saved model: one process, no RPC
         return generate_words(args)
-    load_run(args)  # every rule checked before any process starts; the data downloaded if need be
     trainer = compare_gradients if args.check_gradients else run_trainer
-    if torchrun := common.torchrun_env():  # started by torchrun (RANK set): this process's part
-        return run_worker(torchrun["RANK"], 2, "env://", args, trainer)
-    with common.rendezvous(2) as store:
-        common.join(mp.spawn(run_worker, args=(2, store, args, trainer), nprocs=2, join=False))
+    torchrun = common.torchrun_env()
+    # the trainer's text and checkpoint, read once, before any process starts (the ps needs neither)
+    corpus, saved = load_run(args) if not torchrun or torchrun["RANK"] == 1 else (None, None)
+    if torchrun:  # started by torchrun (RANK set): this process's part
+        return run_worker(torchrun["RANK"], 2, "env://", args, trainer, corpus, saved)
+    with common.rendezvous() as store:
+        common.join(mp.spawn(run_worker, args=(2, store, args, trainer, corpus, saved), nprocs=2, join=False))
 
 
 if __name__ == "__main__":
-    common.run_main(main, sizes=SIZES)
+    common.run_main(main)
