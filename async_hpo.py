@@ -21,11 +21,9 @@ trials on a Ray cluster (`--ray-address`) and the bookkeeping (a line per trial 
 
 Each run writes RESULTS_DIR/async-hpo-<scheduler>-<time>/ (--results-dir): Syne Tune's metadata.json and
 results.csv.zip (read them with `syne_tune.experiments.load_experiment(name, local_path=RESULTS_DIR)`),
-incumbent.png, learning_curves.png, and one folder per trial with its config.json, std.out and std.err. The console
-gets one line per trial event, a table of every trial and one JSON line:
+incumbent.png, learning_curves.png, and one folder per trial with its config.json, std.out and std.err. Syne Tune
+prints a line per trial event; the run ends with a table of every trial and one JSON line:
 
-    trial 7 completed | epoch 10 | val err E | best B
-    trial 9 cut off | epoch 3 | val err E | best B
      trial    status  learning_rate  batch_size  epochs  val_err  best_err  busy_s
          0 completed            0.1         128      10        E         E       S
     {"script": "async_hpo", "model": "lenet", "scheduler": "random", ..., "best_config": {"learning_rate": ...,
@@ -135,7 +133,6 @@ def validate(args):
     check(not args.cuda or args.ray_address or args.n_workers <= gpus * args.trials_per_gpu, f"--n-workers "
           f"{args.n_workers}: more trials at once than the {gpus} GPU(s) here hold at --trials-per-gpu "
           f"{args.trials_per_gpu}; pass a larger --trials-per-gpu, or fewer workers")
-    common.make_dir("--results-dir", args.results_dir)
 
 
 # --- The tutorial (D2L 19.3): the objective, the configuration space, the scheduler, the backend, the tuner ---
@@ -314,8 +311,10 @@ def make_scheduler(args, config_space):
         return ASHA(config_space, time_attr=RESOURCE, max_t=args.max_epochs, points_to_evaluate=[first], **options)
     # bo: a tree-structured Parzen estimator, which needs nothing beyond Syne Tune; gp: expected improvement on a
     # Gaussian process fitted to the finished trials (botorch)
-    # botorch imports linear_operator, whose functions use torch.jit.script, deprecated (a FutureWarning) in torch 2.15
+    # botorch imports linear_operator, whose functions use torch.jit.script, deprecated (a FutureWarning) in torch 2.15;
+    # gpytorch says when it rounds the GP's noise up (a NumericalWarning). Nothing for a user to act on.
     warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="Very small noise values detected")
     return {"bo": TPE, "gp": BOTorch}[args.scheduler](config_space, points_to_evaluate=[first], **options)
 
 
@@ -345,6 +344,12 @@ TRIAL_FLAG = f"--{ST_CONFIG_JSON_FNAME_ARG}"  # a backend starts each trial with
 TRIAL_INFO = "[trial-info]: "  # starts a line of a trial's output: JSON of where it runs
 
 
+def trial_data_folder(data_folder):
+    """The tuner's data folder when this machine has it, else (a trial on another machine of a Ray cluster) this
+    machine's download cache, filled and checked there once."""
+    return data_folder if Path(data_folder).is_dir() else common.fashion_mnist_dir(None)
+
+
 def trial_main(argv):
     """A trial process: die with the process that started it (the tuner, or the Ray task), take its share of the
     cores and its device, print where it runs (a TRIAL_INFO line, which the table reads), then run the objective."""
@@ -359,11 +364,9 @@ def trial_main(argv):
     if device.type == "cuda":  # which GPU, whatever its index (CUDA_VISIBLE_DEVICES may differ between nodes)
         where["gpu"] = f"{torch.cuda.get_device_name(device)} GPU-{torch.cuda.get_device_properties(device).uuid}"
     print(TRIAL_INFO + json.dumps(where), flush=True)
-    # the tuner's data folder, or on another machine of a Ray cluster its download cache, filled there once
-    folder = config["data_folder"] if Path(config["data_folder"]).is_dir() else common.fashion_mnist_dir(None)
     torch.manual_seed(config["seed"])
     model = dropout_mlp(*(config[name] for name in MLP_SPACE)) if config["model"] == "mlp" else None
-    hpo_objective_lenet_synetune({**config, "data_folder": folder}, model, device)
+    hpo_objective_lenet_synetune({**config, "data_folder": trial_data_folder(config["data_folder"])}, model, device)
 
 
 class LocalTrials(LocalBackend):
@@ -610,6 +613,7 @@ def main(argv=None):
         threads, backend = args.trial_threads or max(1, common.usable_cpus() // args.n_workers), LocalTrials
     config_space = {**make_config_space(args, data_folder), **(MLP_SPACE if args.model == "mlp" else {}),
                     "model": args.model, "threads": threads, "cuda": args.cuda, "parent_pid": os.getpid()}
+    common.make_dir("--results-dir", args.results_dir)
     report(args, run_search(args, config_space, backend))
 
 

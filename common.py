@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import typing
 import urllib.request
 import warnings
@@ -113,25 +114,27 @@ def make_dir(flag, path):
 
 def run_main(main):
     """Call main() and end as README's failure table says: a UsageError is one line and exit status 2; a spawned
-    process that raised is named with its traceback (mp.spawn's report), one killed by a signal in one line, exit
-    status 1; one that exited with a status has said why itself; Ctrl-C is exit status 130."""
+    process killed by a signal is named in one line, exit status 1; one that exited with a status has said why itself
+    (common.worker); Ctrl-C is exit status 130."""
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the run quietly, as command-line tools do
     prog = Path(sys.argv[0]).name
     try:
-        main()
+        return main()
     except UsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         sys.exit(2)
-    except mp.ProcessRaisedException as error:
-        print(error.msg.strip(), file=sys.stderr)
-        sys.exit(1)
+    except mp.ProcessRaisedException as error:  # before its worker ran: Ctrl-C as it started, or a bug
+        if not error.msg.rstrip().endswith("KeyboardInterrupt"):
+            print(error.msg.strip(), file=sys.stderr)
+            sys.exit(1)
     except mp.ProcessExitedException as error:
         if error.signal_name:  # (a process that exited with a status has said why itself)
             print(f"{prog}: error: {error}; the other processes were stopped", file=sys.stderr)
-        sys.exit(1 if error.signal_name else error.exit_code)
+        sys.exit(130 if error.signal_name == "SIGINT" else 1 if error.signal_name else error.exit_code)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted; every process was stopped", file=sys.stderr)
-        sys.exit(130)
+        pass
+    print(f"{prog}: interrupted; every process was stopped", file=sys.stderr)
+    sys.exit(130)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -143,15 +146,16 @@ LOST_PEER = ("peer", "tensorpipe", "imed out", "RPC ran for more than")  # in th
 
 def worker(run_worker):
     """Decorator of a script's run_worker(rank, world_size, ...), which mp.spawn starts in every process (and main
-    calls once under torchrun). mp.spawn already hands the traceback of a process that raises to the launcher, which
-    stops the others. This adds:
+    calls once under torchrun); when one process ends with an error, mp.spawn stops the others. This adds:
     - the process dies at once with its parent, and with Ctrl-C, even inside a C++ call (mp.spawn asks for a SIGINT
       at its parent's death, which Python acts on only between two bytecodes);
     - torch's threads get this process's share of the cores;
     - a peer that is gone, or silent past the timeout, ends the process in one line, exit status 1. Spawned, it waits
-      a second first: when the peer died, the launcher names it and stops this process meanwhile;
-    - a process that is done leaves without the interpreter's teardown, which destroys torch's C++ objects (a gloo
-      group that DDP still holds, RPC agents) in no set order and can abort a run that succeeded."""
+      a second first: when the peer died, the launcher names it and stops this process meanwhile. Any other error
+      ends it with its traceback, exit status 1;
+    - the process leaves without the interpreter's teardown, which destroys torch's C++ objects (a gloo group that
+      DDP still holds, RPC agents' threads) in no set order and can abort the process ("FATAL: exception not
+      rethrown"), even after a run that succeeded."""
     @functools.wraps(run_worker)
     def run(rank, world_size, *args):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -164,13 +168,14 @@ def worker(run_worker):
             listen_on_loopback()  # one machine: torchrun --standalone
         try:
             run_worker(rank, world_size, *args)
-        except RuntimeError as error:  # (torch's DistError is one)
-            if not (isinstance(error, dist.DistError) or any(sign in str(error) for sign in LOST_PEER)):
-                raise
-            time.sleep(0 if env else 1)
-            print(f"process {rank} lost a peer ({brief(error)}); the run ends, or under torchrun restarts if "
-                  f"--max-restarts allows", file=sys.stderr, flush=True)
+        except Exception as error:
             status = 1
+            if isinstance(error, dist.DistError) or any(sign in str(error) for sign in LOST_PEER):
+                time.sleep(0 if env else 1)
+                print(f"process {rank} lost a peer ({brief(error)}); the run ends, or under torchrun restarts if "
+                      f"--max-restarts allows", file=sys.stderr, flush=True)
+            else:  # its traceback, here: mp.spawn's report would need the teardown
+                print(f"process {rank} raised:\n{traceback.format_exc()}", file=sys.stderr, end="", flush=True)
         sys.stdout.flush()
         os._exit(status)
     return run
@@ -331,8 +336,10 @@ def set_tf32(device, allowed):
 
 def atomic_write(path, data):
     """Write bytes so that readers see the old file or the whole new one, never a part: a temporary file in the same
-    folder, flushed to disk, then renamed over the old one. A write that fails (a full disk) leaves the old file."""
+    folder (created if missing), flushed to disk, then renamed over the old one. A write that fails (a full disk)
+    leaves the old file."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         with open(temporary, "wb") as file:
@@ -419,7 +426,6 @@ def fetch_dataset(data_dir, subdir, files, mirrors, checksum=md5):
                 break
         check(data is not None, f"cannot download {name} from {' or '.join(mirrors)}; {fix}")
         check(checksum(data) == files[name], f"downloaded {name} has the wrong checksum; {fix}")
-        candidates[0].mkdir(parents=True, exist_ok=True)
         atomic_write(candidates[0] / name, data)
     return candidates[0]
 

@@ -405,9 +405,10 @@ def validate(args):
     common.check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR, where the checkpoint is")
     common.check(not args.plot or Path(args.plot).suffix.lower() in (".png", ".pdf", ".svg"),
                  f"--plot {args.plot}: name a .png, .pdf or .svg file")
-    if args.checkpoint_dir:
-        common.make_dir("--checkpoint-dir", args.checkpoint_dir)
-    return read_checkpoint(args) if args.checkpoint_dir and (not torchrun or torchrun["RANK"] == 0) else None
+    if not args.checkpoint_dir or torchrun and torchrun["RANK"] != 0:  # rank 0 alone writes and reads checkpoints
+        return None
+    common.make_dir("--checkpoint-dir", args.checkpoint_dir)
+    return read_checkpoint(args)
 
 
 @common.worker

@@ -108,8 +108,6 @@ def validate(args):
           f"discount factor below 1, or 1 with --truncation terminal (a bootstrapped return would be infinite)")
     check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(not args.load or os.path.isfile(args.load), f"--load {args.load}: no such file")
-    if args.checkpoint_dir:
-        common.make_dir("--checkpoint-dir", args.checkpoint_dir)
 
 
 class Policy(nn.Module):
@@ -310,6 +308,8 @@ def read_checkpoint(args):
     that says so; --load is then not read), else the policy of --load, else None (a new policy). Read once, before any
     process starts, and checked to fit the policy."""
     path = os.path.join(args.checkpoint_dir or "", CHECKPOINT)
+    if args.checkpoint_dir:
+        common.make_dir("--checkpoint-dir", args.checkpoint_dir)
     if args.resume and os.path.exists(path):  # (validate: --resume comes with --checkpoint-dir)
         saved = common.load_checkpoint(path, "rpc_rl", "--resume", keys=CHECKPOINT_KEYS)
         check(saved["recipe"] == recipe(args), f"--resume: {path} was written with {saved['recipe']}, not "

@@ -129,8 +129,6 @@ def validate(args):
     check(args.checkpoint_dir or not args.resume, "--resume needs --checkpoint-dir DIR (where the checkpoint is)")
     check(common.process_count(2) == 2, "rpc_rnn.py runs as exactly 2 processes (ps and trainer): pass "
                                         "--nproc-per-node 2 to torchrun, or run it on 2 nodes with --nproc-per-node 1")
-    if args.checkpoint_dir:
-        common.make_dir("--checkpoint-dir", args.checkpoint_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -479,11 +477,11 @@ def evaluate(model, data, bptt):
     return total / (data.size(0) - 1)
 
 
-def save_model(path, flag, args, words, **state):
+def save_model(path, args, words, **state):
     """A file that `LocalRNNModel(**ckpt["config"]).load_state_dict(ckpt["model"])` loads, with ckpt =
     torch.load(path), written atomically by common.save_checkpoint: a failed write keeps the previous file."""
     config = dict(ntoken=len(words), ninp=args.emsize, nhid=args.nhid, nlayers=args.nlayers, dropout=args.dropout)
-    common.save_checkpoint(path, SCRIPT, {"vocab": words, "config": config, **state}, flag)
+    common.save_checkpoint(path, SCRIPT, {"vocab": words, "config": config, **state})
 
 
 def recipe(args):
@@ -548,12 +546,12 @@ def run_trainer(args, corpus, model, device, saved):
         if valid_loss < run.best_valid:
             run.best_valid, run.best_state = valid_loss, on_pieces(model, cpu_state_dict)
             if args.save:
-                save_model(args.save, "--save", args, corpus.words, model=run.best_state, valid_loss=valid_loss)
+                save_model(args.save, args, corpus.words, model=run.best_state, valid_loss=valid_loss)
         else:
             run.lr /= 4
         run.epoch += 1
         if args.checkpoint_dir:  # the whole run, from both processes: the weights and where the run stands
-            save_model(Path(args.checkpoint_dir, CHECKPOINT), "--checkpoint-dir", args, corpus.words,
+            save_model(Path(args.checkpoint_dir, CHECKPOINT), args, corpus.words,
                        model=on_pieces(model, cpu_state_dict), recipe=recipe(args), run=vars(run))
     if run.best_state is not None:
         on_pieces(model, load_own, run.best_state)  # test the weights that were kept, as word_language_model does
@@ -614,6 +612,8 @@ def load_run(args):
     """The text and the checkpoint to continue (or None), read and checked once, before the training starts: each
     split must give every stream of its batch at least one window of two words, and a --resume checkpoint must have
     been written for this text."""
+    if args.checkpoint_dir:  # (the trainer writes them)
+        common.make_dir("--checkpoint-dir", args.checkpoint_dir)
     saved = read_checkpoint(args) if args.resume else None
     corpus = Corpus(wikitext2_dir(args.data_dir))
     for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):

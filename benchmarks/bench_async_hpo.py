@@ -1,109 +1,158 @@
-"""Benchmark of async_hpo.py's tuner with a cheap objective: throughput with 1 and 2 workers, and worker
-utilisation of asynchronous vs synchronous scheduling when trial lengths vary.
+"""Benchmark async_hpo.py: asynchronous against synchronous scheduling, and the tutorial's exercises.
 
-The objective is a trial that sleeps instead of training (so the figures measure the scheduling, not the
-CPU): 10 "epochs" of 0.5 s x 128 / batch_size each, i.e. 2.5 s (batch 256) to 20 s (batch 32) per trial,
-reporting a made-up validation error after each. The same search (random, same seed, same configurations
-in the same order) runs for --budget seconds as async with 1 worker, async with 2 workers and sync with 2
-workers, the three interleaved, --repeats times; the figures are means over the repeats. Trials finished
-per minute give the 2-worker speedup; busy trial time / (workers x wall time) gives the utilisation (a trial is
-busy from when the tuner started it to when the tuner saw it end, as async_hpo.py's summary counts it).
+    python benchmarks/bench_async_hpo.py --data-dir ../shared/data      # both parts, about 25 minutes on 2 cores
 
-    python benchmarks/bench_async_hpo.py                           # 2 repeats x 3 variants x 60 s
-    python benchmarks/bench_async_hpo.py --budget 30 --repeats 1   # a quick look
+- scheduling: the tuner with a trial that sleeps instead of training (this file, started by Syne Tune), so that the
+  figures measure the scheduling, not the CPU: 10 "epochs" of 0.5 s x 128 / batch size each (2.5 s to 20 s a trial).
+  The same random search (same seed, same configurations in the same order) for 60 s, asynchronous with 1 and 2
+  workers and synchronous with 2, interleaved, twice: trials completed per minute, and the workers' utilisation,
+  busy trial time / (workers x wall time), as async_hpo.py counts it.
+- exercises: D2L 19.3's exercises on DropoutMLP (`--model mlp --holdout --trial-threads 1`, 5,000 training images,
+  4 epochs a trial, 75 s a search, seeds 0 to 2): random search against Bayesian optimisation (exercise 2), 1, 2 and
+  4 workers (exercise 3), local search against random search (exercise 4). The best validation error at the end of
+  each search, its trials, and the figure docs/figures/async_hpo_exercises.png (the best error so far against time,
+  the mean of the seeds and their range).
 
-It ends with a line of this shape, then one JSON line (the figures measured are in docs/async_hpo.md):
-
-    mean of 2: trials/min A (1 worker) vs B (2 workers) = B/Ax speedup | utilisation async U% vs sync V%
-
-This file is also the sleeping trial: Syne Tune starts it with --st_config_json_filename.
+Writes results/async_hpo_PART.json for each part.
 """
 
 import argparse
-import functools
 import json
 import math
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-TRIAL_FLAG = "--st_config_json_filename"  # how Syne Tune's local backend starts a trial (pass_args_as_json)
-EPOCHS = 10
+from harness import REPO, run_script, write_result
 
-
-def report(**metrics):
-    """The line syne_tune.Reporter prints (and the tuner parses from the trial's stdout). Written out here
-    because importing syne_tune (pandas) would cost every trial CPU time that this benchmark would measure
-    as scheduling."""
-    print(f"[tune-metric]: {json.dumps({**metrics, 'st_worker_timestamp': time.time()})}", flush=True)
+TRIAL_FLAG = "--st_config_json_filename"  # how Syne Tune's local backend starts a trial
 
 
 def sleeping_trial(argv):
-    """A trial process: sleep for a config-dependent time per epoch and report, like a training run. It follows
-    async_hpo.py's trial protocol, repeated here so that a trial does not pay for importing torch: its configuration
-    from the file after the flag (on Ray, /dev/stdin), die with the process that started it, a first line saying
-    where it runs."""
+    """A trial that sleeps for a configuration-dependent time per epoch and reports as syne_tune.Reporter does (its
+    line written out, so that the trial pays for no import of syne_tune or torch), with async_hpo's trial protocol:
+    it dies with the tuner, and says where it runs."""
     config = json.loads(Path(argv[argv.index(TRIAL_FLAG) + 1]).read_text())
     if sys.platform.startswith("linux"):
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the tuner
-    if os.getppid() != config["parent_pid"]:
-        raise SystemExit("the process that started this trial is gone")
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     print("[trial-info]: " + json.dumps({"device": "cpu", "pid": os.getpid()}), flush=True)
     final_error = 0.1 + 0.5 * (math.log10(config["learning_rate"]) + 0.7) ** 2
     for epoch in range(1, config["max_epochs"] + 1):
         time.sleep(0.5 * 128 / config["batch_size"])
-        report(epoch=epoch, validation_error=final_error + (0.9 - final_error) * 0.7 ** epoch)
+        metrics = {"epoch": epoch, "validation_error": final_error + (0.9 - final_error) * 0.7 ** epoch}
+        print(f"[tune-metric]: {json.dumps({**metrics, 'st_worker_timestamp': time.time()})}", flush=True)
+
+
+def part_scheduling(options, budget=60.0, repeats=2):
+    sys.path.insert(0, str(REPO))
+    from syne_tune.config_space import loguniform, randint
+    from syne_tune.results_callback import StoreResultsCallback
+
+    import async_hpo
+    space = {"learning_rate": loguniform(1e-2, 1), "batch_size": randint(32, 256), "max_epochs": 10}
+    variants = {"asynchronous, 1 worker": (1, False), "asynchronous, 2 workers": (2, False),
+                "synchronous, 2 workers": (2, True)}
+    figures = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["SYNETUNE_FOLDER"] = folder
+        for _ in range(repeats):
+            for name, (workers, sync) in variants.items():
+                args = async_hpo.Args(n_workers=workers, sync=sync, max_wallclock_time=budget, max_failures=0)
+                search = async_hpo.Search(["learning_rate", "batch_size"])
+                async_hpo.tune(args, async_hpo.make_scheduler(args, space), "bench", [search, StoreResultsCallback()],
+                               async_hpo.LocalTrials, entry_point=__file__)
+                rows, wall = list(search.rows.values()), search.ended_at - search.started_at
+                completed = sum(row["status"] == "completed" for row in rows)
+                figures[name].append((completed / wall * 60, sum(row["busy_s"] for row in rows) / (workers * wall)))
+                print(f"{name}: {completed} trials completed in {wall:.0f} s", flush=True)
+    rows = [[name, round(statistics.mean(per_minute for per_minute, _ in runs), 1),
+             round(statistics.mean(busy for _, busy in runs), 3)] for name, runs in figures.items()]
+    return {"Scheduling a search of sleeping trials": {"columns": ["scheduling", "trials/min", "utilisation"],
+                                                        "rows": rows}}, \
+        f"{repeats} searches of {budget:g} s each, interleaved; the mean."
+
+
+EXERCISES = {"random-1": "random search, 1 worker", "random-2": "random search, 2 workers",
+             "random-4": "random search, 4 workers", "gp-2": "GP (BOTorch), 2 workers",
+             "local-2": "local search, 2 workers"}
+PANELS = [("exercise 2: random search vs BO", ["random-2", "gp-2"]),
+          ("exercise 3: 1, 2 and 4 workers", ["random-1", "random-2", "random-4"]),
+          ("exercise 4: local vs random search", ["random-2", "local-2"])]
+
+
+def incumbent(result, budget):
+    """The best validation error reported by t = 0, 1, ..., budget s after the tuner started (nan before any)."""
+    import numpy as np
+    from syne_tune.experiments import load_experiment
+    experiment = load_experiment(result["experiment"], local_path=result["results_dir"])
+    reports = experiment.results.sort_values("st_worker_timestamp")
+    times = reports["st_worker_timestamp"].to_numpy() - experiment.metadata["st_tuner_start_timestamp"]
+    best = np.minimum.accumulate(reports["validation_error"].to_numpy())
+    index = np.searchsorted(times, np.arange(budget + 1), side="right") - 1
+    return np.where(index >= 0, best[np.clip(index, 0, None)], np.nan)
+
+
+def part_exercises(options, budget=75, seeds=(0, 1, 2)):
+    runs, curves = {variant: [] for variant in EXERCISES}, {variant: [] for variant in EXERCISES}
+    with tempfile.TemporaryDirectory() as folder:
+        for seed in seeds:  # every variant once per seed: a change in the machine's load hits all alike
+            for variant in EXERCISES:
+                scheduler, workers = variant.split("-")
+                result, _ = run_script(["async_hpo.py", "--model", "mlp", "--holdout", "--scheduler", scheduler,
+                                        "--n-workers", workers, "--trial-threads", 1, "--seed", seed,
+                                        "--max-wallclock-time", budget, "--max-epochs", 4, "--limit-train", 5000,
+                                        "--results-dir", folder, "--max-failures", 0, *options.data_flags],
+                                       timeout=budget + 600)
+                runs[variant].append(result)
+                curves[variant].append(incumbent(result, budget))
+                print(f"{variant} seed {seed}: best {result['best_validation_error']:.4f}", flush=True)
+    plot_exercises(curves, budget)
+    rows = [[EXERCISES[variant], round(statistics.mean(r["trials_completed"] for r in results), 1),
+             round(statistics.mean(r["best_validation_error"] for r in results), 4),
+             round(min(r["best_validation_error"] for r in results), 4),
+             round(max(r["best_validation_error"] for r in results), 4)] for variant, results in runs.items()]
+    return {"The exercises: DropoutMLP, 75 s a search": {
+        "columns": ["search", "trials completed", "best error, mean", "min", "max"], "rows": rows}}, \
+        f"Seeds {', '.join(map(str, seeds))}; validation on 10,000 training images held out; means over the seeds."
+
+
+def plot_exercises(curves, budget):
+    import numpy as np
+    from matplotlib.figure import Figure
+    figure = Figure(figsize=(12, 4.2))
+    seconds = np.arange(budget + 1)
+    for axes, (title, variants) in zip(figure.subplots(1, len(PANELS), sharey=True), PANELS):
+        for variant in variants:
+            runs = np.array(curves[variant])
+            every = ~np.isnan(runs).any(axis=0)  # where every seed has reported
+            line, = axes.plot(seconds[every], runs[:, every].mean(axis=0), label=EXERCISES[variant])
+            axes.fill_between(seconds[every], runs[:, every].min(axis=0), runs[:, every].max(axis=0),
+                              color=line.get_color(), alpha=0.2, linewidth=0)
+        axes.set(title=title, xlabel="wall-clock time (s)")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.axes[0].set_ylabel("best validation error so far")
+    figure.tight_layout()
+    figure.savefig(REPO / "docs" / "figures" / "async_hpo_exercises.png", dpi=90)
 
 
 def main():
-    if TRIAL_FLAG in sys.argv[1:]:
-        sleeping_trial(sys.argv[1:])
-        return
+    if TRIAL_FLAG in sys.argv:
+        return sleeping_trial(sys.argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=float, default=60.0, help="seconds per search (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each variant (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the configuration sampling")
+    parser.add_argument("--parts", default="scheduling,exercises", help="comma-separated parts to run")
+    parser.add_argument("--data-dir", help="--data-dir of async_hpo.py")
     options = parser.parse_args()
-    if options.budget <= 0 or options.repeats < 1:
-        parser.error("--budget must be positive and --repeats at least 1")
+    options.data_flags = ["--data-dir", options.data_dir] if options.data_dir else []
+    parts = {"scheduling": part_scheduling, "exercises": part_exercises}
+    for name in options.parts.split(","):
+        write_result(f"async_hpo_{name}", *parts[name](options))
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from syne_tune.config_space import loguniform, randint
-
-    import async_hpo
-
-    config_space = {"learning_rate": loguniform(1e-2, 1), "batch_size": randint(32, 256), "max_epochs": EPOCHS,
-                    "parent_pid": os.getpid()}
-    variants = (("async_1", 1, False), ("async_2", 2, False), ("sync_2", 2, True))
-    runs = {name: [] for name, _, _ in variants}
-    with tempfile.TemporaryDirectory(prefix="bench-async-hpo-") as results_dir, open(os.devnull, "w") as quiet:
-        # Interleaved repeats, so that a burst of load from other work on the machine does not hit one variant only
-        for repeat in range(options.repeats):
-            for name, n_workers, sync in variants:
-                args = async_hpo.Args(scheduler="random", sync=sync, n_workers=n_workers,
-                                      max_wallclock_time=options.budget, max_epochs=EPOCHS, seed=options.seed,
-                                      results_dir=results_dir, max_failures=0)
-                backend = functools.partial(async_hpo.WatchedTrials, args.trial_timeout)
-                search = async_hpo.run_search(args, config_space, backend, entry_point=__file__, out=quiet)
-                summary = async_hpo.summarize(search, n_workers)
-                per_minute = summary["trials_completed"] / (summary["wall_time_s"] / 60)
-                runs[name].append((per_minute, summary["utilisation"]))
-                print(f"{name:8s} | run {repeat + 1} | {summary['trials_completed']:3d} trials completed in "
-                      f"{summary['wall_time_s']:.0f} s | {per_minute:5.1f} trials/min | "
-                      f"utilisation {summary['utilisation']:.1%}", flush=True)
-    figures = {name: {"trials_per_min": round(sum(r[0] for r in values) / len(values), 2),
-                      "utilisation": round(sum(r[1] for r in values) / len(values), 4)}
-               for name, values in runs.items()}
-    speedup = figures["async_2"]["trials_per_min"] / figures["async_1"]["trials_per_min"]
-    print(f"mean of {options.repeats}: trials/min {figures['async_1']['trials_per_min']:.1f} (1 worker) vs "
-          f"{figures['async_2']['trials_per_min']:.1f} (2 workers) = {speedup:.2f}x speedup | "
-          f"utilisation async {figures['async_2']['utilisation']:.1%} vs sync {figures['sync_2']['utilisation']:.1%}")
-    print(json.dumps({"benchmark": "async_hpo", "budget_s": options.budget, "repeats": options.repeats,
-                      "speedup_2_workers": round(speedup, 2), **figures}))
 
 if __name__ == "__main__":
     main()

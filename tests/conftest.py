@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -126,74 +127,40 @@ def data_dir_args():
     return ["--data-dir", str(data_folder("fashion-mnist"))]
 
 
-def assert_help_follows_the_rules(module, capsys):
-    """`script.py --help` of a script module: every flag in a group, with a text; placeholders by kind (N, FILE,
-    DIR, ...), never the flag's own name; no "(default: None)"; no flag's text names a function or class of the
-    script or common.py (it points at nothing in the source); no line wider than the docstrings (common.HELP_WIDTH).
-    Holds for flags added later."""
-    import common
-    with pytest.raises(SystemExit) as exit_info:
-        module.main(["--help"])
-    assert exit_info.value.code == 0
-    text = capsys.readouterr().out
-    assert module.__doc__.splitlines()[0] in text
-    lines = text.splitlines()
-    assert max(map(len, lines)) <= common.HELP_WIDTH, max(lines, key=len)
-    assert "(default: None)" not in text
-    flags = re.findall(r"^  (--[a-z0-9-]+)(?: ([^ ,]+))?", text, flags=re.M)
-    assert len(flags) >= 5
-    for flag, metavar in flags:
-        assert metavar != flag[2:].upper().replace("-", "_"), f"{flag} {metavar}: the placeholder repeats the flag"
-    groups = [line for line in lines if re.fullmatch(r"[A-Z][^:]*:", line) and line != "options:"]
-    assert len(groups) >= 3, "the flags are not grouped"
-    options_section = text[text.index("options:"):]
-    assert re.search(r"^  --(?!help)", options_section.split("\n\n")[0], flags=re.M) is None, \
-        "a flag outside any group"
-    defined = {name for source in (module, common) for name, value in vars(source).items()
-               if (inspect.isfunction(value) or inspect.isclass(value)) and getattr(value, "__module__", None)
-               == source.__name__ and ("_" in name.strip("_") or name[0].isupper()) and name != "Args"}
-    named = [name for name in defined if re.search(rf"\b{re.escape(name)}\b", options_section)]
-    assert not named, f"--help points into the source: {named}"
-    for flag in re.findall(r"^  (--[a-z0-9-]+)[^\n]*?\n?", text, flags=re.M):
-        assert re.search(rf"^  {flag}(, --no-[a-z0-9-]+)?( [^ ]+)? +\S", text, flags=re.M) or \
-            re.search(rf"^  {flag}[^\n]*\n {{20,}}\S", text, flags=re.M), f"{flag} has no help text"
-    return text
-
-
-def assert_help_shows_every_default(module, capsys):
-    """`script.py --help` lists every field of the script's Args as its flag (--field-name; a bool also as
-    --no-field-name), and the text of every field whose default is not None ends in `(default: <value>)`, once (a
-    flag that is off unless given, default None, says what "not given" means in its own words instead). The texts are
-    read with their line breaks undone, since argparse may wrap a default across two lines. Holds for fields added
-    later. Returns the help text."""
+def assert_help_lists_every_flag(module, capsys):
+    """`script.py --help` of a script module: exit status 0, the script's description, and every field of its Args as
+    its flag (--field-name; a bool also --no-field-name) with the first words of the field's docstring and, where its
+    default is not None, `(default: <value>)`, read with argparse's line breaks undone. Holds for flags added later.
+    Returns the help text."""
+    import ast
     import dataclasses
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    # Each flag's entry: its first line ("  --flag ...") and the lines indented under it, up to the next flag, the
-    # next group's title or a blank line.
-    entries = {}
-    for entry in re.findall(r"^  (--[a-z0-9-]+.*(?:\n {3,}\S.*)*)", text, flags=re.M):
-        entries[entry.split()[0].rstrip(",")] = " ".join(entry.split())
+    assert module.__doc__.splitlines()[0] in text
+    body = ast.parse(inspect.getsource(module.Args)).body[0].body
+    docs = {node.target.id: " ".join(doc.value.value.split()) for node, doc in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(doc, ast.Expr)}
+    entries = {entry.split()[0].rstrip(","): " ".join(entry.split())
+               for entry in re.findall(r"^  (--[a-z0-9-]+.*(?:\n {3,}\S.*)*)", text, flags=re.M)}
     for field in dataclasses.fields(module.Args):
         flag = "--" + field.name.replace("_", "-")
         assert flag in entries, f"{flag} (Args.{field.name}) is not in --help"
+        assert " ".join(docs[field.name].split()[:4]) in entries[flag], entries[flag]
         if isinstance(field.default, bool):
             assert entries[flag].startswith(f"{flag}, --no-{flag[2:]} "), entries[flag]
         shown = re.findall(r"\(default: ([^)]*)\)", entries[flag])
-        if field.default is None:
-            assert not shown, f"{flag}: a default shown for a flag that is off unless given: {entries[flag]}"
-        else:
-            assert shown == [str(field.default)], f"{flag}: want one (default: {field.default}): {entries[flag]}"
+        assert shown == ([] if field.default is None else [str(field.default)]), (flag, entries[flag])
     return text
 
 
-def unprivileged(command):
-    """command as a process held to the files' permission bits: as root (a CI container), in a user namespace of its
-    own (`unshare --user`), where root's privileges over the file system do not reach."""
-    command = [str(part) for part in command]
-    return ["unshare", "--user", *command] if os.geteuid() == 0 else command
+def as_a_shells_job():
+    """preexec_fn of a process that a test sends Ctrl-C (SIGINT to its process group): a group of its own, and SIGINT's
+    default action, which Python turns into KeyboardInterrupt (a pytest started in the background, `pytest &`,
+    hands its children SIGINT ignored, and Python then leaves it ignored)."""
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_script(script, *args, timeout=120, env=None):

@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import signal
@@ -25,9 +26,9 @@ import pytest
 from conftest import (
     OFFLINE,
     REPO,
+    as_a_shells_job,
     assert_all_ended,
-    assert_help_follows_the_rules,
-    assert_help_shows_every_default,
+    assert_help_lists_every_flag,
     assert_usage_error,
     data_folder,
     first_visible_gpu,
@@ -36,7 +37,6 @@ from conftest import (
     needs_gpus,
     start_script,
     tree,
-    unprivileged,
 )
 
 TRIAL_FLAG = "--st_config_json_filename"
@@ -161,33 +161,27 @@ def experiment_results(result):
 
 
 def events(out):
-    """{event: sorted trial ids} from the console's event lines ("trial 3 completed | ...")."""
+    """{event: sorted trial ids} from Syne Tune's console lines ("... Trial 3 completed!")."""
     found = {}
-    for line in out.splitlines():
-        words = line.split(" | ")[0].split(" ", 2)
-        if len(words) == 3 and words[0] == "trial" and words[1].isdigit():
-            found.setdefault(words[2], []).append(int(words[1]))
+    for trial, event in re.findall(r"\bTrial (\d+) (started|completed|failed)", out):
+        found.setdefault(event, []).append(int(trial))
     return {event: sorted(trials) for event, trials in found.items()}
 
 
 def assert_every_event_once(out, result):
-    """Every trial started once and ended once, as the JSON's table says, and the counts agree."""
+    """Every trial of the JSON's table started once and each failed one failed once, as Syne Tune's lines say; a
+    trial Syne Tune says completed is completed in the table; and the counts agree."""
     found = events(out)
     rows = {row["trial"]: row["status"] for row in result["trials"]}
     assert found["started"] == sorted(rows), (found, rows)
-    for status in ("completed", "stopped early", "failed", "cut off"):
-        assert found.get(status, []) == sorted(trial for trial, how in rows.items() if how == status), (found, rows)
+    assert found.get("failed", []) == sorted(trial for trial, how in rows.items() if how == "failed"), (found, rows)
+    assert set(found.get("completed", [])) <= {trial for trial, how in rows.items() if how == "completed"}, found
     assert result["trials_started"] == len(rows)
     assert result["trials_finished"] == sum(how != "cut off" for how in rows.values())
 
 
-def test_help_follows_the_rules(capsys):
-    async_hpo = import_keeping_environment("async_hpo")
-    text = assert_help_follows_the_rules(async_hpo, capsys)
-    for usage in ("--ray-address HOST:PORT", "--max-wallclock-time SECONDS", "--results-dir DIR", "--data-dir DIR",
-                  "--n-workers N", "--max-trials N", "--trial-threads N"):
-        assert usage in text, usage
-    assert_help_shows_every_default(async_hpo, capsys)  # every flag listed with its default
+def test_help_lists_every_flag(capsys):
+    assert_help_lists_every_flag(import_keeping_environment("async_hpo"), capsys)
 
 
 def test_random_search_goes_on_after_a_crashed_and_a_raising_trial(tmp_path, data_dir_args):
@@ -210,11 +204,10 @@ def test_random_search_goes_on_after_a_crashed_and_a_raising_trial(tmp_path, dat
         code, out, err = finish(proc, 480)
     assert code == 0, err
     result = last_json(out)
-    assert "trial 1 failed | killed by SIGKILL" in out
-    assert "trial 2 failed | exit status 1 | log " in out, out
+    statuses = {row["trial"]: row["status"] for row in result["trials"]}
+    assert statuses == {0: "completed", 1: "failed", 2: "failed", 3: "completed"}, out
     trial_2_log = next(tmp_path.glob("*/2/std.err")).read_text()
-    assert "out of memory" in trial_2_log, trial_2_log  # what it raised, in its one line
-    assert "trial 3 completed" in out
+    assert "memory" in trial_2_log.lower(), trial_2_log  # what it raised
     assert (result["trials_started"], result["trials_failed"], result["trials_completed"]) == (4, 2, 2), out
     assert_every_event_once(out, result)
     assert [row["epochs"] for row in result["trials"] if row["status"] == "completed"] == [2, 2], result["trials"]
@@ -244,11 +237,10 @@ def test_too_many_crashes_stop_the_search_with_a_clear_error(tmp_path, data_dir_
             process.send_signal(signal.SIGKILL)
     finally:
         code, out, err = finish(proc, 120)
-    lines = err.strip().splitlines()
-    assert code == 1, (code, err)
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert "trial 0 failed (killed by SIGKILL" in lines[0] and "--max-failures 0" in lines[0], lines
-    assert str(next(tmp_path.glob("*/0"))) in lines[0]  # where its logs are
+    assert code == 1 and "Traceback" not in err, (code, err)
+    assert err.strip().splitlines()[-1] == (f"async_hpo.py: error: 1 trials failed, more than --max-failures 0: the "
+                                            f"search stopped (the trials' logs: {next(tmp_path.glob('*/0')).parent})")
+    assert "Trial 0 failed" in out and "STDERR:" in out  # Syne Tune shows its log
     assert not trial_processes(tmp_path)
 
 
@@ -298,7 +290,7 @@ def test_asha_stops_bad_trials_early(tmp_path, data_dir_args):
     result = last_json(out)
     assert result["scheduler"] == "asha"
     assert (result["trials_completed"], result["trials_stopped_early"]) == (1, 1), out
-    assert "trial 1 stopped early | epoch 1" in out
+    assert [(row["status"], row["epochs"]) for row in result["trials"]] == [("completed", 2), ("stopped early", 1)]
     assert_every_event_once(out, result)
     assert result["best_validation_error"] < BEST_AFTER_TWO_EPOCHS, result  # trial 0 ran both epochs
     # without --trial-threads: 2 here (this machine's 2 CPUs, one worker), where a trial that set no threads would run
@@ -312,14 +304,17 @@ def test_asha_stops_bad_trials_early(tmp_path, data_dir_args):
 
 
 def test_sigterm_stops_the_tuner_and_every_trial(tmp_path, data_dir_args):
+    """SIGTERM (a job scheduler's stop) ends the tuner where it stands, and the kernel ends each trial with it
+    (trial_main: PR_SET_PDEATHSIG), as it would after a SIGKILL."""
     proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "2", "--results-dir", tmp_path)
     try:
-        wait_for(lambda: len(trial_processes(tmp_path)) == 2, 60, "two trials to start")
+        wait_for(lambda: started(tmp_path, 2), 60, "two trials to start")
+        trials = trial_processes(tmp_path)
         proc.send_signal(signal.SIGTERM)
     finally:
         code, out, err = finish(proc, 60)
-    assert code == 128 + signal.SIGTERM, (code, err)
-    assert "SIGTERM" in err and len(err.strip().splitlines()) == 1, err
+    assert code == -signal.SIGTERM, (code, err)
+    assert_all_ended(trials, timeout=5)
     assert not trial_processes(tmp_path)
     (experiment,) = [path for path in tmp_path.iterdir() if path.is_dir()]
     assert (experiment / "metadata.json").is_file() and (experiment / "0" / "std.out").is_file()
@@ -330,7 +325,7 @@ def test_ctrl_c_stops_the_search_and_every_trial(tmp_path, data_dir_args):
     ends with its one line and exit status 130, and no process of the search is left."""
     proc = subprocess.Popen([sys.executable, REPO / "async_hpo.py", *data_dir_args, *QUICK, "--max-epochs", "2",
                              "--results-dir", tmp_path], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # a process group of its own, as a shell's job
+                            text=True, preexec_fn=as_a_shells_job)
     try:
         wait_for(lambda: started(tmp_path, 2), 60, "two trials to start")
         trials = trial_processes(tmp_path)
@@ -339,7 +334,7 @@ def test_ctrl_c_stops_the_search_and_every_trial(tmp_path, data_dir_args):
     finally:
         code, out, err = finish(proc, 60)
     assert code == 130, (code, err)
-    assert err.splitlines() == ["async_hpo.py: SIGINT: every trial is stopped"], err
+    assert err.strip().splitlines()[-1] == "async_hpo.py: interrupted; every process was stopped", err
     assert len(trials) == 2 and set(trials) <= set(group)
     assert_all_ended(group, timeout=5)
     assert not trial_processes(tmp_path)
@@ -351,88 +346,45 @@ def test_ctrl_c_stops_the_search_and_every_trial(tmp_path, data_dir_args):
 # Bad input: one line, exit status 2, before anything is written
 # ---------------------------------------------------------------------------------------------------------
 
-LONG = "x" * 300  # a file name longer than file systems allow
-BAD_INPUT = [  # (what, flags, words the one line must hold); {tmp}: a fresh folder, {file}: a file in it, {fifo}
-    # numbers out of range, or not numbers
-    ("no workers", ["--n-workers", "0"], ["--n-workers 0", "1 or more"]),
-    ("negative workers", ["--n-workers", "-2"], ["--n-workers -2"]),
-    ("workers not a whole number", ["--n-workers", "1.5"], ["--n-workers 1.5"]),
-    ("workers in hexadecimal", ["--n-workers", "0x10"], ["--n-workers 0x10"]),
-    ("workers holding a newline", ["--n-workers", "1\n2"], ["--n-workers 1\\n2: not a whole number"]),  # new
-    ("workers beyond int64", ["--n-workers", "99999999999999999999"], ["--n-workers 99999999999999999999"]),
-    ("a typo's thousands of workers", ["--n-workers", "100000"], ["--n-workers 100000", "--oversubscribe"]),
-    ("a typo's thousands of threads", ["--trial-threads", "100000"], ["--trial-threads 100000", "4 per CPU"]),  # new
-    ("zero budget", ["--max-wallclock-time", "0"], ["--max-wallclock-time 0", "number of seconds from 0.001"]),
-    ("negative budget", ["--max-wallclock-time", "-60"], ["--max-wallclock-time -60"]),
-    ("NaN budget", ["--max-wallclock-time", "nan"], ["--max-wallclock-time nan"]),
-    ("infinite budget", ["--max-wallclock-time", "inf"], ["--max-wallclock-time inf"]),
-    ("budget that overflows to infinity", ["--max-wallclock-time", "1e400"], ["--max-wallclock-time 1e400"]),
-    ("budget with a unit", ["--max-wallclock-time", "10m"], ["--max-wallclock-time 10m", "number of seconds"]),
-    ("no trials", ["--max-trials", "0"], ["--max-trials 0"]),
-    ("no epochs", ["--max-epochs", "0"], ["--max-epochs 0"]),
-    ("fractional epochs", ["--max-epochs", "1.5"], ["--max-epochs 1.5"]),
-    ("negative seed", ["--seed", "-1"], ["--seed -1", "2**32 - 1"]),
-    ("seed from the clock, in nanoseconds", ["--seed", "1795479736800000000"], ["--seed 1795479736800000000"]),
-    ("seed of 2**32", ["--seed", "4294967296"], ["--seed 4294967296"]),
-    ("no training images", ["--limit-train", "0"], ["--limit-train 0"]),
-    ("more training images than there are", ["--limit-train", "60001"], ["--limit-train 60001", "60000"]),
-    ("more training images than the holdout leaves", ["--limit-train", "50001", "--holdout"],
-     ["--limit-train 50001", "50000"]),
-    ("negative failures", ["--max-failures", "-1"], ["--max-failures -1", "0 or more"]),
-    ("zero trial threads", ["--trial-threads", "0"], ["--trial-threads 0"]),
-    ("zero trial timeout", ["--trial-timeout", "0"], ["--trial-timeout 0"]),
-    ("NaN trial timeout", ["--trial-timeout", "nan"], ["--trial-timeout nan"]),
+BAD_INPUT = [  # (what, flags, words the one line must hold); {tmp}: a fresh folder, {file}: a file in it
+    # numbers out of range, or not numbers: argparse's own line
+    ("no workers", ["--n-workers", "0"], ["argument --n-workers: '0' is not a whole number, 1 or more"]),
+    ("workers not a whole number", ["--n-workers", "1.5"], ["argument --n-workers: '1.5'"]),
+    ("zero budget", ["--max-wallclock-time", "0"], ["argument --max-wallclock-time: '0' is not a positive number"]),
+    ("NaN budget", ["--max-wallclock-time", "nan"], ["argument --max-wallclock-time: 'nan'"]),
+    ("infinite budget", ["--max-wallclock-time", "inf"], ["argument --max-wallclock-time: 'inf'"]),
+    ("budget with a unit", ["--max-wallclock-time", "10m"], ["argument --max-wallclock-time: '10m'"]),
+    ("no trials", ["--max-trials", "0"], ["argument --max-trials: '0'"]),
+    ("fractional epochs", ["--max-epochs", "1.5"], ["argument --max-epochs: '1.5'"]),
+    ("seed of 2**32", ["--seed", "4294967296"], ["argument --seed: '4294967296' is not a seed"]),
+    ("negative failures", ["--max-failures", "-1"], ["argument --max-failures: '-1' is not a whole number, 0 or more"]),
+    ("zero trial threads", ["--trial-threads", "0"], ["argument --trial-threads: '0'"]),
     # choices and flags that do not go together
     ("unknown scheduler", ["--scheduler", "hyperband"], ["--scheduler", "invalid choice"]),
     ("unknown model", ["--model", "resnet"], ["--model", "invalid choice"]),
     ("unknown flag", ["--max-trial", "3", "--workers", "2"], ["unrecognized arguments"]),
-    ("LeNet's activation for the MLP", ["--model", "mlp", "--activation", "relu"], ["--activation relu"]),
-    # flags the run would drop without a word (at a port nothing answers at: one that got past would hear so)
-    ("a trial timeout on Ray, which watches its trials itself", ["--ray-address", "127.0.0.1:{port}",
-                                                                 "--trial-timeout", "60"],
-     ["--trial-timeout 60.0: used only without --ray-address"]),
-    ("oversubscribing a Ray cluster, whose CPUs decide", ["--ray-address", "127.0.0.1:{port}", "--oversubscribe"],
-     ["--oversubscribe: used only without --ray-address"]),
-    # empty values
-    ("empty results folder", ["--results-dir", ""], ["--results-dir ''", "empty"]),
-    ("empty data folder", ["--data-dir", ""], ["--data-dir ''", "empty"]),
-    ("empty Ray address", ["--ray-address", ""], ["--ray-address ''"]),
-    ("empty budget", ["--max-wallclock-time", ""], ["--max-wallclock-time"]),
+    ("results folder that cannot be created", ["--results-dir", "{file}/results"], ["--results-dir", "cannot create "
+                                                                                     "this folder (Not a directory)"]),
     # values another library accepts
+    ("empty Ray address", ["--ray-address", ""], ["--ray-address ''"]),
     ("Ray's own local cluster", ["--ray-address", "local"], ["--ray-address 'local'", "HOST:PORT"]),
     ("a Ray Client address", ["--ray-address", "ray://127.0.0.1:10001"], ["--ray-address 'ray://127.0.0.1:10001'"]),
     ("a Ray port out of range", ["--ray-address", "127.0.0.1:99999"], ["--ray-address 127.0.0.1:99999", "ray start"]),
     ("a Ray address without a port", ["--ray-address", "127.0.0.1"], ["--ray-address 127.0.0.1", "ray start"]),
     ("a Ray port nothing listens on", ["--ray-address", "127.0.0.1:{port}"], ["nothing answers", "ray start"]),
-    # paths the file system refuses
-    ("results folder that is a file", ["--results-dir", "{file}"], ["--results-dir", "not a folder"]),
-    ("results folder under a file", ["--results-dir", "{file}/results"], ["--results-dir", "Not a directory"]),
-    ("results folder that is a device", ["--results-dir", "/dev/null"], ["--results-dir /dev/null", "not a folder"]),
-    ("results folder under a FIFO", ["--results-dir", "{fifo}/results"], ["--results-dir", "Not a directory"]),
-    ("results folder name too long", ["--results-dir", "{tmp}/" + LONG], ["--results-dir", "File name too long"]),
-    ("results folder with a space", ["--results-dir", "{tmp}/my results"], ["--results-dir", "spaces"]),
-    ("results folder that cannot be written", ["--results-dir", "{tmp}/read-only/results"],
-     ["--results-dir", "cannot write in"]),
-    ("data folder that is a file", ["--data-dir", "{file}"], ["--data-dir", "not a folder"]),
-    ("data folder that is a device", ["--data-dir", "/dev/null"], ["--data-dir /dev/null", "not a folder"]),
-    ("data folder that is a FIFO", ["--data-dir", "{fifo}"], ["--data-dir", "not a folder"]),
-    ("data folder name too long", ["--data-dir", "{tmp}/" + LONG], ["--data-dir", "File name too long"]),
-    ("unreadable data folder", ["--data-dir", "{tmp}/unreadable"], ["--data-dir", "cannot be read", "denied"]),
     # data that is missing or damaged
     ("data folder without the data, offline", ["--data-dir", "{tmp}/empty"], ["cannot download", "--data-dir"]),
-    ("truncated data file", ["--data-dir", "{tmp}/truncated"], ["train-images-idx3-ubyte.gz", "not gzip data"]),
-    ("data file that is not gzip", ["--data-dir", "{tmp}/garbage"], ["train-labels-idx1-ubyte.gz", "not gzip data"]),
+    ("truncated data file", ["--data-dir", "{tmp}/truncated"], ["train-images-idx3-ubyte.gz is corrupt"]),
+    ("data file that is not gzip", ["--data-dir", "{tmp}/garbage"], ["train-labels-idx1-ubyte.gz is corrupt"]),
     ("data file with other contents", ["--data-dir", "{tmp}/other"], ["t10k-labels-idx1-ubyte.gz is corrupt"]),
     ("folder where a data file belongs", ["--data-dir", "{tmp}/folder-for-file"],
      ["t10k-images-idx3-ubyte.gz", "--data-dir"]),
 ]
-NEEDS_PERMISSIONS = {"unreadable data folder", "results folder that cannot be written"}  # root ignores them
 
 
 def bad_input_folder(folder, data):
     """The files and folders the BAD_INPUT cases name: data folders with one damaged file each (the others are
-    links to the real data in `data`), a plain file, a FIFO, an empty folder, and folders without read or write
-    permission."""
+    links to the real data in `data`), a plain file and an empty folder."""
     from common import FASHION_MNIST_FILES
     damaged = {"truncated": ("train-images-idx3-ubyte.gz", (data / "train-images-idx3-ubyte.gz").read_bytes()[:2000]),
                "garbage": ("train-labels-idx1-ubyte.gz", b"not gzip at all"),
@@ -448,31 +400,20 @@ def bad_input_folder(folder, data):
         else:
             (folder / name / bad_file).write_bytes(contents)
     (folder / "file").write_text("not a folder")
-    os.mkfifo(folder / "fifo")
     (folder / "empty").mkdir()
-    (folder / "unreadable").mkdir(mode=0)
-    (folder / "read-only").mkdir(mode=0o500)
 
 
 @pytest.mark.parametrize("what, args, fragments", BAD_INPUT, ids=[case[0] for case in BAD_INPUT])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(what, args, fragments, monkeypatch, capsys, tmp_path):
-    """In this process through main() (which checks flags, paths, data and the Ray address before a trial starts),
-    to save a torch import per case; a case that got past the checks would reach run_search, which fails the test.
-    Nothing is written (no results folder, no download, no data file touched) and Ray is never imported. The
-    permission cases run as a process held to the permission bits (conftest.unprivileged), root too."""
+    """In this process through main() (which checks flags, data and the Ray address before a trial starts), to save
+    a torch import per case; a case that got past the checks would reach run_search, which fails the test. Nothing is
+    written but the results folder (no download, no data file touched), and Ray is never imported."""
     data = Path(data_folder())
     bad_input_folder(tmp_path, data)
-    before = tree(tmp_path)
-    args = [arg.format(tmp=tmp_path, file=tmp_path / "file", fifo=tmp_path / "fifo", port=free_port())
-            for arg in args]
+    args = [arg.format(tmp=tmp_path, file=tmp_path / "file", port=free_port()) for arg in args]
     defaults = {"--results-dir": str(tmp_path / "results"), "--data-dir": str(data)}
     argv = [*args, *(part for flag, value in defaults.items() if flag not in args for part in (flag, value))]
-    if what in NEEDS_PERMISSIONS:
-        proc = subprocess.run(unprivileged([sys.executable, REPO / "async_hpo.py", *argv]), cwd=REPO,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, **OFFLINE})
-        assert_usage_error(proc, *fragments)
-        assert proc.stdout == "" and tree(tmp_path) == before
-        return
+    before = tree(tmp_path)
     async_hpo = import_keeping_environment("async_hpo")
     from common import run_main
     monkeypatch.setattr(sys, "argv", ["async_hpo.py", *argv])
@@ -485,8 +426,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(what, args, fragments, 
         run_main(async_hpo.main)
     captured = capsys.readouterr()
     assert_usage_error(subprocess.CompletedProcess(argv, exit_info.value.code, captured.out, captured.err), *fragments)
-    assert captured.out == "" and "_finite" not in captured.err and "Traceback" not in captured.err
-    assert tree(tmp_path) == before  # nothing written: no results folder, no download, no data file touched
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert {path for path in tree(tmp_path) if path.name != "results"} == set(before)
     assert ("ray" in sys.modules) == ray_before
 
 
@@ -651,9 +592,9 @@ def test_dropout_mlp_local_search_from_a_copied_folder(tmp_path, data_dir_args):
 
 
 def test_gp_search_proposes_from_its_model(tmp_path, data_dir_args):
-    """One worker, four trials: the fourth proposal comes once three trials have finished, from the GP
-    (botorch did not fail, which would fall back to a random proposal and say so in tuner.log). botorch's warnings
-    go to tuner.log, not to the console."""
+    """One worker, four trials: the fourth proposal comes once three trials have finished, from the GP (botorch did
+    not fail, which would fall back to a random proposal and say so). Nothing on stderr: no warning a user cannot act
+    on (torch 2.15's FutureWarning for torch.jit.script, which botorch's linear_operator calls, is filtered)."""
     proc = start_search(*data_dir_args, *QUICK, "--scheduler", "gp", "--max-epochs", "1", "--max-trials", "4",
                         "--n-workers", "1", "--results-dir", tmp_path)
     code, out, err = finish(proc, 480)
@@ -662,68 +603,12 @@ def test_gp_search_proposes_from_its_model(tmp_path, data_dir_args):
     assert result["scheduler"] == "gp" and (result["trials_started"], result["trials_completed"]) == (4, 4), out
     assert result["best_validation_error"] < BEST_AFTER_ONE_EPOCH, result
     assert_trials_ran_with_threads(result, trial_threads(1))
-    log = (Path(result["results_dir"]) / result["experiment"] / "tuner.log").read_text()
-    assert "Scheduler: BOTorch" in log and "sampling randomly" not in log
+    assert "Scheduler: BOTorch" in out and "sampling randomly" not in out
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Faults: a stopped trial, a killed tuner, results that cannot be written
 # ---------------------------------------------------------------------------------------------------------
-
-def test_a_hung_and_a_stopped_trial_are_killed_and_named_within_the_trial_timeout(tmp_path):
-    """One worker, --max-failures 1, --trial-timeout 3. Trial 0 hangs on something that never comes: a data file that
-    became a FIFO no one writes to, which it opens after its first line. After 3 s without CPU time or output it is
-    killed and counted failed, and the search goes on: trial 1, which finds the file again, completes. Trial 2 is
-    stopped (SIGSTOP) as it starts, and killed 3 s later: the failure one too many ends the search, exit status 1,
-    one line naming the first failed trial. Nothing is left."""
-    data = tmp_path / "data"  # the data as links, so that the test can swap one for a FIFO mid-search
-    data.mkdir()
-    for path in Path(data_folder()).iterdir():
-        (data / path.name).symlink_to(path)
-    swapped = data / "train-images-idx3-ubyte.gz"
-    results = tmp_path / "results"
-    proc = start_search("--data-dir", data, *QUICK, "--max-epochs", "1", "--n-workers", "1", "--max-failures", "1",
-                        "--trial-timeout", "3", "--results-dir", results)
-    lines, reader = read_as_it_comes(proc)
-    try:
-        # The tuner has read the data before it starts trial 0, which reads them after its imports and first line
-        wait_for(lambda: trial_processes(results, 0), 60, "trial 0 to start")
-        swapped.unlink()
-        os.mkfifo(swapped)
-        hung = psutil.Process(wait_for(lambda: trial_info(results, 0), 60, "trial 0's first line")["pid"])
-        hung_from = time.monotonic()  # (its first line came at most one poll of wait_for earlier)
-        wait_for(lambda: any("trial 0 failed" in line for _, line in lines), 60, "trial 0 to fail")
-        swapped.unlink()  # trial 1 starts now, and reads its data after its imports
-        swapped.symlink_to(Path(data_folder()) / swapped.name)
-        (trial,) = wait_for(lambda: trial_processes(results, 2), 120, "trial 2 to start")
-        trial.suspend()
-        stopped_at = time.monotonic()
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        code = proc.wait(30)
-        reader.join(10)
-    err, out = proc.stderr.read(), "".join(line for _, line in lines)
-    errors = err.strip().splitlines()
-    assert code == 1 and len(errors) == 1 and "Traceback" not in err, err
-    assert f"trial 0 failed (pid {hung.pid} hung: used no CPU time and wrote nothing for" in errors[0], errors
-    assert "(--trial-timeout 3), killed" in errors[0] and "2 failed, more than --max-failures 1" in errors[0], errors
-    assert f"trial 0 failed | pid {hung.pid} hung: used no CPU time and wrote nothing for" in out, out
-    assert "trial 1 completed" in out, out
-    assert f"trial 2 failed | pid {trial.pid} stopped: used no CPU time and wrote nothing for" in out, out
-    # Killed once the tuner sees 3 s pass without a change: it looks every 0.1 s (its sleep_time) plus the time it
-    # takes to read the trials' output, and the failure shows one or two looks later; 1.5 s is room for looks slowed
-    # by a loaded machine (measured here: 3.0-3.2 s). A trial killed before its timeout or after twice its length
-    # fails these. The hung trial's first line came up to a poll of wait_for before the test saw it (0.5 s), and the
-    # change the tuner saw last may be a look before the test stopped the other one (0.25 s).
-    assert 3 - 0.5 <= arrival(lines, "trial 0 failed") - hung_from < 3 + 1.5, lines
-    assert 3 - 0.25 <= arrival(lines, "trial 2 failed") - stopped_at < 3 + 1.5, lines
-    assert "hung" in next(results.glob("*/0/std.err")).read_text()
-    assert "killed" in next(results.glob("*/2/std.err")).read_text()
-    assert_all_ended([hung, trial], timeout=5)  # the stopped one included
-    assert not trial_processes(results)
-
 
 def test_a_killed_tuner_takes_its_trials_with_it(tmp_path, data_dir_args):
     """(And --trial-threads reaches the trials: each says so in its first line, torch.get_num_threads() in it.)"""
@@ -742,8 +627,8 @@ def test_a_killed_tuner_takes_its_trials_with_it(tmp_path, data_dir_args):
 
 
 def test_results_that_cannot_be_written_end_the_run_and_keep_what_was_written(tmp_path, data_dir_args):
-    """The disk fills up mid-search (a file-size limit of 1 kB on the tuner, smaller than tuner.log already is):
-    one line that says what to do, exit status 1, no trial left, and results.csv.zip as last written loads."""
+    """The disk fills up mid-search (a file-size limit of 1 kB on the tuner): the tuner ends with Python's error, exit
+    status 1, no trial left, and results.csv.zip as last written loads, with no partial file beside it."""
     proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "1", "--results-dir", tmp_path)
     try:
         results = wait_for(lambda: next(tmp_path.glob("*/results.csv.zip"), None), 120, "the first results")
@@ -751,10 +636,7 @@ def test_results_that_cannot_be_written_end_the_run_and_keep_what_was_written(tm
         written = results.read_bytes()
     finally:
         code, out, err = finish(proc, 120)
-    lines = err.strip().splitlines()
-    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
-    assert "File too large" in lines[0] and "intact" in lines[0], lines  # (whichever file the limit hit first)
-    assert "free space on that disk" in lines[0] and "--results-dir" in lines[0], lines
+    assert code == 1 and err.strip().splitlines()[-1] == "OSError: [Errno 27] File too large", err
     wait_for(lambda: not trial_processes(tmp_path), 10, "the trials to end with the tuner")  # (die_with_parent)
     import io
 
@@ -766,12 +648,10 @@ def test_results_that_cannot_be_written_end_the_run_and_keep_what_was_written(tm
 
 
 def test_figures_that_cannot_be_written_keep_the_previous_ones(tmp_path):
-    """plot_figures writes each PNG through common.save_figure: under a file-size limit (a full disk) it is one
-    line (RunFailed) saying what to do, and the figures written before are whole."""
+    """plot_figures writes each PNG through common.save_figure: under a file-size limit (a full disk) Python's error,
+    and the figures written before are whole."""
     async_hpo = import_keeping_environment("async_hpo")
     import pandas as pd
-
-    import common
     results = pd.DataFrame({"trial_id": [0, 0, 1], "st_tuner_time": [1.0, 2.0, 3.0],
                             "validation_error": [0.5, 0.3, 0.4]})
     figures = async_hpo.plot_figures(results, tmp_path)
@@ -779,13 +659,10 @@ def test_figures_that_cannot_be_written_keep_the_previous_ones(tmp_path):
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))
     try:
-        with pytest.raises(common.RunFailed) as failure:
+        with pytest.raises(OSError, match="File too large"):
             async_hpo.plot_figures(results.assign(validation_error=[0.6, 0.2, 0.1]), tmp_path)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-    line = str(failure.value)
-    assert line.startswith(f"cannot write {tmp_path / 'incumbent.png'} (File too large)") and \
-        "--results-dir" in line and "\n" not in line, line
     assert {name: path.read_bytes() for name, path in figures.items()} == written
     assert sorted(path.name for path in tmp_path.iterdir()) == ["incumbent.png", "learning_curves.png"]
 
@@ -812,7 +689,7 @@ def test_each_trial_gets_the_gpu_fewest_running_trials_use(monkeypatch, tmp_path
 
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
     monkeypatch.setattr(LocalBackend, "_schedule", schedule)
-    backend = async_hpo.WatchedTrials(60, entry_point=str(REPO / "async_hpo.py"))
+    backend = async_hpo.LocalTrials(entry_point=str(REPO / "async_hpo.py"))
     backend._schedule(0, {"device": "cuda"})
     backend._schedule(1, {"device": "cuda"})
     backend.trial_subprocess[0].running = False
@@ -845,8 +722,7 @@ def test_trials_per_gpu_is_checked_against_the_gpus_and_places_the_trials(monkey
     import common
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)
     for argv, fragment in [(["--cuda", "--n-workers", "5", "--trials-per-gpu", "2"], "--n-workers 5: more trials at "
-                            "once than the 2 GPU(s) here hold at --trials-per-gpu 2; pass --trials-per-gpu 3"),
-                           (["--trials-per-gpu", "3"], "--trials-per-gpu 3: used only with --cuda")]:
+                            "once than the 2 GPU(s) here hold at --trials-per-gpu 2; pass a larger --trials-per-gpu")]:
         monkeypatch.setattr(sys, "argv", ["async_hpo.py", *argv, "--results-dir", str(tmp_path / "r")])
         with pytest.raises(SystemExit) as exited:
             common.run_main(async_hpo.main)
@@ -864,7 +740,7 @@ def test_trials_per_gpu_is_checked_against_the_gpus_and_places_the_trials(monkey
     placed = []
     monkeypatch.setattr(LocalBackend, "_schedule", lambda backend, trial_id, config: (
         placed.append(config["gpu"]), backend.trial_subprocess.__setitem__(trial_id, Process())))
-    backend = async_hpo.WatchedTrials(60, entry_point=str(REPO / "async_hpo.py"))
+    backend = async_hpo.LocalTrials(entry_point=str(REPO / "async_hpo.py"))
     for trial_id in range(4):
         backend._schedule(trial_id, {"cuda": True})
     assert sorted(placed) == [0, 0, 1, 1]
@@ -1122,8 +998,7 @@ def test_ray_sigterm_stops_every_trial_on_every_node(ray_cluster, tmp_path, data
         proc.send_signal(signal.SIGTERM)
     finally:
         code, out, err = finish(proc, 60)
-    assert code == 128 + signal.SIGTERM, (code, err)
-    assert "SIGTERM" in err.strip().splitlines()[-1] and "Traceback" not in err, err  # (after Ray's C++ warnings)
+    assert code in (-signal.SIGTERM, signal.SIGTERM), (code, err)  # (Ray's driver exits with the signal's number)
     wait_for(lambda: nothing_of_the_trials_left(ray_cluster), 60, "Ray to end the cancelled trials")
     (experiment,) = [path for path in tmp_path.iterdir() if path.is_dir()]
     assert (experiment / "metadata.json").is_file() and (experiment / "0" / "std.out").is_file()
@@ -1177,7 +1052,7 @@ def test_ray_a_trial_cut_off_by_the_budget_leaves_nothing_on_its_node(ray_cluste
     assert code == 0, err
     result = last_json(out)
     (row,) = result["trials"]
-    assert row["status"] == "cut off" and "trial 0 cut off | epoch" in out, out
+    assert row["status"] == "cut off", out
     assert row["epochs"] >= 1 and row["node"] and row["pid"], row  # it ran, on a node of the cluster
     assert budget <= result["wall_time_s"] < budget + 3, result["wall_time_s"]  # (as locally)
     assert_every_event_once(out, result)
@@ -1196,7 +1071,7 @@ def test_ray_asha_stops_the_same_trial_as_locally(ray_cluster, tmp_path, data_di
     assert code == 0, err
     result = last_json(out)
     assert (result["trials_completed"], result["trials_stopped_early"]) == (1, 1), out
-    assert "trial 1 stopped early | epoch 1" in out
+    assert [(row["status"], row["epochs"]) for row in result["trials"]] == [("completed", 2), ("stopped early", 1)]
     assert_every_event_once(out, result)
     results = experiment_results(result)
     assert list(results[results.trial_id == 0].epoch) == [1, 2]
@@ -1232,7 +1107,7 @@ def test_ray_trials_run_on_both_nodes_and_a_dead_node_fails_only_its_trial(ray_c
     result = last_json(out)
     assert result["ray_address"] == "auto" and result["trials_failed"] == 1, out
     (failed,) = [row for row in result["trials"] if row["status"] == "failed"]
-    assert failed["trial"] == frozen and f"trial {frozen} failed | ray: " in out
+    assert failed["trial"] == frozen and f"Trial {frozen} failed" in out
     completed = [row for row in result["trials"] if row["status"] == "completed"]
     worker_node = failed["node"]
     assert any(row["node"] == worker_node for row in completed), result["trials"]  # ran trials before it died

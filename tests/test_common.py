@@ -23,14 +23,12 @@ from conftest import (
     LOOPBACK_DIRECT,
     OFFLINE,
     REPO,
+    as_a_shells_job,
     assert_all_ended,
-    assert_usage_error,
     data_root,
     kill_all,
     spawned_workers,
     start_script,
-    tree,
-    unprivileged,
     wait_for_line,
 )
 
@@ -97,13 +95,16 @@ def test_no_network_and_no_data_says_which_files_and_which_flag(tmp_path, monkey
 
 
 @needs_data
-def test_corrupt_file_is_detected_on_load(tmp_path):
+def test_corrupt_data_is_detected_before_the_run(tmp_path):
     for name in common.FASHION_MNIST_FILES:
         (tmp_path / name).write_bytes((FASHION / name).read_bytes())
     import gzip
     (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\0" * 10008))
-    with pytest.raises(common.UsageError, match="corrupt"):
-        common.load_fashion_mnist(tmp_path)
+    with pytest.raises(common.UsageError, match="t10k-labels-idx1-ubyte.gz is corrupt"):
+        common.fashion_mnist_dir(tmp_path, mirrors=[])
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(b"not gzip")
+    with pytest.raises(common.UsageError, match="t10k-labels-idx1-ubyte.gz is corrupt"):
+        common.fashion_mnist_dir(tmp_path, mirrors=[])
 
 
 @dataclasses.dataclass
@@ -122,8 +123,6 @@ def test_parse_args_from_a_dataclass(capsys):
     assert common.parse_args(Example, []) == Example()
     assert common.parse_args(Example, ["--count", "5", "--mode", "b", "--no-fast", "--path", "x"]) == \
         Example(5, "b", False, "x")
-    with pytest.raises(common.UsageError, match=r"^--count many: not a whole number"):
-        common.parse_args(Example, ["--count", "many"])
     with pytest.raises(SystemExit) as exit_info:
         common.parse_args(Example, ["--mode", "c"])
     assert exit_info.value.code == 2
@@ -133,12 +132,11 @@ def test_parse_args_from_a_dataclass(capsys):
         common.parse_args(Example, ["--help"])
     out = capsys.readouterr().out
     assert "how many (default: 3)" in out and "--fast, --no-fast" in out and "{a,b}" in out
-    assert "--count N" in out and "--path TEXT" in out and "(default: None)" not in out
+    assert "where to write\n" in out and "(default: None)" not in out
 
 
 @dataclasses.dataclass
 class Kinds:
-    # Numbers
     count: common.Positive = 1
     """how many"""
     skip: common.NonNegative = 0
@@ -147,127 +145,47 @@ class Kinds:
     """seed"""
     rate: common.PositiveFloat = 0.1
     """a rate"""
-    wait: common.Seconds = 1.0
-    """a timeout"""
     shift: float = 0.0
-    """any finite number"""
-    big: int = 0
-    """any whole number"""
-    # Files
-    load: Optional[common.InFile] = None
-    """read"""
-    save: Optional[common.OutFile] = None
-    """written"""
-    out: Optional[common.OutDir] = None
-    """a folder written into"""
-    data: Optional[common.DataDir] = None
-    """data"""
-    name: Optional[str] = None
-    """text"""
+    """any number"""
 
 
-LONG = "x" * 300
-BAD_VALUES = [  # (flag, value, the start of the message after "--flag value: ")
-    ("count", "0", "not a whole number, 1 or more"), ("count", "1.5", "not a whole number"),
-    ("count", str(2**63), "not a whole number, 1 or more"), ("skip", "-1", "not a whole number, 0 or more"),
-    ("seed", "-1", "not a seed"), ("seed", str(2**32), "not a seed"), ("seed", "1e3", "not a seed"),
-    ("rate", "0", "not a positive number"), ("rate", "nan", "not a positive number"),
-    ("rate", "inf", "not a positive number"), ("wait", "10m", "not a number of seconds from 0.001 to 2147483"),
-    ("wait", "-5", "not a number of seconds from 0.001 to 2147483"),
-    ("wait", "0.0009", "not a number of seconds from 0.001 to 2147483"),  # under 1 ms: no timeout
-    ("wait", "2147484", "not a number of seconds from 0.001 to 2147483"),  # beyond 32-bit milliseconds
-    ("shift", "nan", "not a finite number"),
-    ("shift", "-inf", "not a finite number"), ("big", str(-2**63 - 1), "not a whole number that fits"),
-    ("name", "", "an empty value"), ("load", "", "an empty value"), ("save", "", "an empty value"),
-    ("out", "", "an empty value"), ("data", "", "an empty value"),
-    ("load", "{tmp}/missing", "no such file"), ("load", "{tmp}", "not a regular file"),
-    ("load", "/dev/null", "not a regular file"), ("load", "{tmp}/fifo", "not a regular file"),
-    ("load", "{tmp}/file/below", "Not a directory"), ("load", LONG, "File name too long"),
-    ("save", "/dev/null", "not a regular file"), ("save", "{tmp}/fifo", "not a regular file"),
-    ("save", "{tmp}", "not a regular file"), ("save", "{tmp}/missing/x.pt", "folder {tmp}/missing does not exist"),
-    ("save", "{tmp}/file/x.pt", "Not a directory"), ("save", "{tmp}/" + LONG, "File name too long"),
-    ("save", "{tmp}/dangling", "a link to nothing"),
-    ("out", "/dev/null", "/dev/null is not a folder"), ("out", "{tmp}/file", "{tmp}/file is not a folder"),
-    ("out", "{tmp}/file/below", "Not a directory"), ("out", "{tmp}/" + LONG, "File name too long"),
-    ("data", "{tmp}/file", "not a folder; pass the folder"), ("data", "/dev/null", "not a folder"),
-]
+BAD_VALUES = [("count", "0"), ("count", "1.5"), ("count", "many"), ("skip", "-1"), ("seed", "-1"),
+              ("seed", str(2**32)), ("rate", "0"), ("rate", "-1"), ("rate", "nan"), ("rate", "inf"), ("shift", "x")]
 
 
-@pytest.mark.parametrize("flag, value, message", BAD_VALUES, ids=[f"{f}={v[:20]}" for f, v, _ in BAD_VALUES])
-def test_every_kind_of_value_has_one_rule_checked_as_it_is_parsed(flag, value, message, tmp_path):
-    (tmp_path / "file").write_text("x")
-    os.mkfifo(tmp_path / "fifo")
-    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
-    before = sorted(tmp_path.iterdir())
-    value = value.format(tmp=tmp_path)
-    with pytest.raises(common.UsageError) as error:
+@pytest.mark.parametrize("flag, value", BAD_VALUES, ids=[f"{flag}={value}" for flag, value in BAD_VALUES])
+def test_every_kind_of_value_has_its_rule_checked_as_it_is_parsed(flag, value, capsys):
+    """One line on stderr naming the flag and the value, exit status 2 (argparse's own error, in one line)."""
+    with pytest.raises(SystemExit) as exit_info:
         common.parse_args(Kinds, [f"--{flag}={value}"])
-    assert str(error.value).startswith(f"--{flag} {value if value else repr(value)}: {message.format(tmp=tmp_path)}"), \
-        str(error.value)
-    assert "\n" not in str(error.value)
-    assert sorted(tmp_path.iterdir()) == before  # nothing written, nothing created
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument --{flag}: " in err and repr(value) in err, err
 
 
-def test_good_values_pass_every_rule(tmp_path):
-    (tmp_path / "file").write_text("x")
+def test_good_values_pass_every_rule():
     args = common.parse_args(Kinds, ["--count", "3", "--skip", "0", "--seed", str(2**32 - 1), "--rate", "1e-9",
-                                     "--wait", "2147483", "--shift", "-2", "--big", str(-2**63), "--load",
-                                     str(tmp_path / "file"), "--save", str(tmp_path / "file"), "--out",
-                                     str(tmp_path / "a" / "b"), "--data",
-                                     str(tmp_path / "new"), "--name", "x"])
-    assert (args.count, args.seed, args.big, args.out) == (3, 2**32 - 1, -2**63, str(tmp_path / "a" / "b"))
-    assert args.wait == 2147483
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]  # folders are made by the run, not here
+                                     "--shift", "-2.5"])
+    assert args == Kinds(3, 0, 2**32 - 1, 1e-9, -2.5)
 
 
-PATHS = textwrap.dedent("""
-    import dataclasses, sys
-    from typing import Optional
-    sys.path.insert(0, {repo!r})
-    import common
-
-    @dataclasses.dataclass
-    class Paths:
-        load: Optional[common.InFile] = None
-        save: Optional[common.OutFile] = None
-        out: Optional[common.OutDir] = None
-        data: Optional[common.DataDir] = None
-
-    common.run_main(lambda: print(common.parse_args(Paths, sys.argv[1:])))
-""")
-
-
-def test_paths_the_run_may_not_use_are_refused_as_it_would_find_them(tmp_path):
-    """Files and folders the run may not read or write, found by trying as the run will (root in a user namespace
-    is held to the permission bits): one line, exit status 2, nothing written."""
-    script = tmp_path / "paths.py"
-    script.write_text(PATHS.format(repo=str(REPO)))
-    (tmp_path / "locked").mkdir(mode=0o500)
-    (tmp_path / "closed").mkdir(mode=0o000)
-    (tmp_path / "secret").write_text("x")
-    (tmp_path / "secret").chmod(0)
-    before = tree(tmp_path)
-    for flag, value, message in [("save", "locked/x.pt", "cannot write in"), ("out", "locked/sub", "cannot write in"),
-                                 ("load", "secret", "cannot be read"), ("data", "closed", "cannot be read"),
-                                 ("save", "closed/x.pt", "Permission denied")]:
-        proc = subprocess.run(unprivileged([sys.executable, script, f"--{flag}", tmp_path / value]),
-                              capture_output=True, text=True, timeout=60)
-        assert_usage_error(proc, f"--{flag} {tmp_path / value}: ", message)
-    assert tree(tmp_path) == before
-    proc = subprocess.run(unprivileged([sys.executable, script, "--save", tmp_path / "x.pt", "--out", tmp_path / "o"]),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "save=" in proc.stdout, proc.stderr  # the same paths elsewhere pass
+def test_an_output_folder_that_cannot_be_created_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    assert common.make_dir("--checkpoint-dir", tmp_path / "a" / "b") == tmp_path / "a" / "b"
+    assert (tmp_path / "a" / "b").is_dir()
+    with pytest.raises(common.UsageError, match=r"^--checkpoint-dir .*/file/sub: cannot create this folder \(Not a "
+                                                r"directory\); pass another$"):
+        common.make_dir("--checkpoint-dir", tmp_path / "file" / "sub")
 
 
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29400"}
 BAD_ENVIRONMENTS = [
-    ({"MASTER_ADDR": None, "MASTER_PORT": None}, "MASTER_PORT, MASTER_ADDR not set"),
+    ({"MASTER_ADDR": None, "MASTER_PORT": None}, "MASTER_ADDR, MASTER_PORT not set"),
     ({"LOCAL_WORLD_SIZE": None}, "LOCAL_WORLD_SIZE not set"),
     ({"RANK": "2"}, "RANK=2 WORLD_SIZE=2"), ({"RANK": "-1"}, "RANK=-1"), ({"WORLD_SIZE": "two"}, "WORLD_SIZE=two"),
     ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2"), ({"LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE=3"),
-    ({"MASTER_PORT": "0"}, "MASTER_PORT=0"), ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
-    ({"WORLD_SIZE": "9" * 30}, "WORLD_SIZE=999"), ({"MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR=no-such"),
+    ({"MASTER_PORT": "port"}, "MASTER_PORT=port"),
 ]
 
 
@@ -291,22 +209,14 @@ def test_torchrun_environment(monkeypatch):
     for name, value in TORCHRUN.items():
         monkeypatch.setenv(name, value)
     env = common.torchrun_env()
-    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"], env["MASTER_ADDR"]) == (0, 2, 29400, "127.0.0.1")
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"], env["MASTER_ADDR"]) == (0, 2, "29400", "127.0.0.1")
     assert common.process_count(3) == 2
-
-
-def test_process_counts_are_bounded_by_the_machine_unless_oversubscribed():
-    limit = 4 * common.usable_cpus()
-    common.check_processes("--procs", limit, oversubscribe=False)
-    with pytest.raises(common.UsageError, match=rf"--procs {limit + 1}: more than {limit}, 4 per CPU.*--oversubscribe"):
-        common.check_processes("--procs", limit + 1, oversubscribe=False)
-    common.check_processes("--procs", 10 * limit, oversubscribe=True)
 
 
 def test_weights_and_optimizer_states_that_do_not_fit_are_one_line():
     model = torch.nn.Linear(4, 2)
     assert common.check_fits(torch.nn.Linear(4, 2), model.state_dict(), "--load", "x.pt")
-    with pytest.raises(common.UsageError, match=r"--load x.pt: does not fit this model \(size mismatch for weight"):
+    with pytest.raises(common.UsageError, match=r"--load x.pt: does not fit this model \(.*size mismatch for weight"):
         common.check_fits(torch.nn.Linear(5, 2), model.state_dict(), "--load", "x.pt")
     with pytest.raises(common.UsageError, match=r"Missing key"):
         common.check_fits(torch.nn.Sequential(model), model.state_dict(), "--load", "x.pt")
@@ -327,13 +237,29 @@ def test_a_checkpoint_is_verified_when_loaded(tmp_path):
     (tmp_path / "truncated.pt").write_bytes(good[:len(good) // 2])
     torch.save({"weights": torch.zeros(2)}, tmp_path / "plain.pt")
     for name, message in [("damaged", "damaged"), ("truncated", "not a readable checkpoint"),
-                          ("plain", "written by another program, not by demo.py")]:
+                          ("plain", "not written by demo.py")]:
         with pytest.raises(common.UsageError, match=message):
             common.load_checkpoint(tmp_path / f"{name}.pt", "demo", "--load")
-    with pytest.raises(common.UsageError, match="written by demo, not by other.py"):
+    with pytest.raises(common.UsageError, match="not written by other.py"):
         common.load_checkpoint(tmp_path / "good.pt", "other", "--load")
     with pytest.raises(common.UsageError, match="lacks optimizer"):
         common.load_checkpoint(tmp_path / "good.pt", "demo", "--load", keys=("optimizer",))
+
+
+def test_a_write_that_fails_keeps_the_previous_file_whole(tmp_path, monkeypatch):
+    """The disk fills up while the new file is written: the error is Python's (OSError), the previous file is
+    intact and loadable, and no temporary file is left beside it."""
+    common.save_checkpoint(tmp_path / "run.pt", "demo", {"epoch": 1})
+    before = (tmp_path / "run.pt").read_bytes()
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        common.save_checkpoint(tmp_path / "run.pt", "demo", {"epoch": 2, "weights": torch.zeros(10**5)})
+    assert (tmp_path / "run.pt").read_bytes() == before
+    assert common.load_checkpoint(tmp_path / "run.pt", "demo", "--load")["epoch"] == 1
+    assert [path.name for path in tmp_path.iterdir()] == ["run.pt"]
 
 
 @pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG"), (".pdf", b"%PDF"), (".svg", b"<?xml")])
@@ -375,13 +301,13 @@ RAISING_WORKER = textwrap.dedent("""
         dist.barrier()  # process 0 waits for process 1, which never comes
 
     if __name__ == "__main__":
-        with common.rendezvous(2) as store:
+        with common.rendezvous() as store:
             common.run_main(lambda: common.join(mp.spawn(run_worker, args=(2, store), nprocs=2, join=False)))
 """)
 
 
 def test_a_process_that_raises_ends_the_run_with_its_traceback(tmp_path):
-    """mp.spawn's report, printed whole: the process named, its one traceback; the peer that lost it adds nothing."""
+    """The process named, with its one traceback (common.worker); the peer that lost it adds nothing."""
     script = tmp_path / "raising.py"
     script.write_text(RAISING_WORKER.format(repo=str(REPO)))
     proc = start_script(script)
@@ -398,7 +324,7 @@ def test_a_process_that_raises_ends_the_run_with_its_traceback(tmp_path):
     # minutes): well under a second here. A process 0 left running would hold the run for those 30 minutes; 10 s
     # leaves a loaded machine room for two exits.
     assert ended_after < 10, ended_after
-    assert stderr.startswith("-- Process 1 terminated with the following error:\nTraceback"), stderr
+    assert stderr.startswith("process 1 raised:\nTraceback"), stderr
     assert stderr.count("Traceback") == 1, stderr  # process 0's broken connection is not news
     assert stderr.strip().splitlines()[-1] == "ValueError: a bug in process 1"
 
@@ -415,7 +341,7 @@ LOST_PEER_WORKER = textwrap.dedent("""
     run_worker(0, 2)
 """)
 # gloo's message when a peer's connection drops, as a restart of multi_gpu.py under torchrun printed its first 200
-# characters on 2026-11-27 (docs/walkthrough.md tells of it)
+# characters
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:13191: "
               "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the applic")
 
@@ -449,7 +375,7 @@ SLEEPING_WORKERS = textwrap.dedent("""
             time.sleep(0.01)
 
     if __name__ == "__main__":
-        with common.rendezvous(2) as store:
+        with common.rendezvous() as store:
             common.run_main(lambda: common.join(mp.spawn(run_worker, args=(2, store), nprocs=2, join=False)))
 """)
 
@@ -515,189 +441,67 @@ def test_a_terminated_launcher_stops_its_processes_and_removes_its_folder(sleepi
     assert list((tmp_path / "tmp").glob("rendezvous-*")) == []
 
 
-# --- The shared layer's rules, one by one: one_line, check_used, check_memory, check_machine, listen_on_loopback ---
+# --- run_main: the line and exit status of each way a run ends ---
 
-def spawn_report(*last_lines):
-    """What mp.spawn raises in the launcher for a process that raised: its message holds the process's traceback."""
-    message = ("\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
-               '  File "/x/script.py", line 3, in run_worker\n    step()\n' + "\n".join(last_lines) + "\n")
-    return torch.multiprocessing.ProcessRaisedException(message, 1, 4242)
+MAIN = textwrap.dedent("""
+    import sys, time, torch.multiprocessing as mp
+    sys.path.insert(0, {repo!r})
+    import common
 
+    @common.worker
+    def run_worker(rank, world_size, how):
+        if how == "raise" and rank == 1:
+            raise ValueError("a bug in process 1")
+        if how == "kill" and rank == 1:
+            import os, signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("working", flush=True)
+        time.sleep(60 if how != "ok" else 0)
 
-CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of "
-            "79.19 GiB of which 1.06 GiB is free.")
-CPU_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried "
-           "to allocate 3221225472 bytes.")
-NUMPY_OOM = "numpy.core._exceptions._ArrayMemoryError: Unable to allocate 4.00 GiB for an array with shape (2, 2)"
-SIZES = "--batch-size or --batch-per-device"
-# (the error, sizes, the line one_line gives without the "demo.py: error: " of the ones that have it, the status)
-ONE_LINES = [
-    (common.UsageError("--n 0: not a whole number, 1 or more"), None, "--n 0: not a whole number, 1 or more", 2),
-    (common.RunFailed("cannot write x.pt (File too large); ..."), None, "cannot write x.pt (File too large); ...", 1),
-    (BrokenPipeError(32, "Broken pipe"), None, None, 141),  # the reader went away: quiet, as a SIGPIPE would be
-    (OSError(28, "No space left on device"), None,
-     "cannot write the output (No space left on device); send it elsewhere", 1),
-    (OSError(5, "Input/output error"), None, "cannot write the output (Input/output error); send it elsewhere", 1),
-    (spawn_report(CUDA_OOM), SIZES, f"out of memory: 2.50 GiB did not fit; pass a smaller {SIZES}", 1),
-    (spawn_report(CPU_OOM), SIZES, f"out of memory: 3.0 GiB did not fit; pass a smaller {SIZES}", 1),
-    (spawn_report(NUMPY_OOM), SIZES, f"out of memory: 4.00 GiB did not fit; pass a smaller {SIZES}", 1),
-    (spawn_report("MemoryError"), SIZES, f"out of memory: an allocation did not fit; pass a smaller {SIZES}", 1),
-    (RuntimeError(CPU_OOM.split(": ", 1)[1]), "--emsize", "out of memory: 3.0 GiB did not fit; pass a smaller "
-                                                          "--emsize", 1),  # in the launcher itself
-    (MemoryError(), "--emsize", "out of memory: an allocation did not fit; pass a smaller --emsize", 1),
-]
+    def main():
+        how = sys.argv[1]
+        if how == "usage":
+            raise common.UsageError("--n 0: not a whole number, 1 or more")
+        with common.rendezvous() as store:
+            common.join(mp.spawn(run_worker, args=(2, how), nprocs=2, join=False))
+
+    if __name__ == "__main__":
+        common.run_main(main)
+""")
 
 
-@pytest.mark.parametrize("error, sizes, line, status", ONE_LINES, ids=[f"{type(case[0]).__name__}-{i}"
-                                                                       for i, case in enumerate(ONE_LINES)])
-def test_one_line_gives_each_kind_of_error_its_line_and_status(error, sizes, line, status, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["demo.py"])
-    assert common.one_line(error, sizes) == ("" if line is None else f"demo.py: error: {line}", status)
+@pytest.mark.parametrize("how, status, first, last", [
+    ("ok", 0, None, None),
+    ("usage", 2, "main.py: error: --n 0: not a whole number, 1 or more", None),
+    ("raise", 1, "process 1 raised:", "ValueError: a bug in process 1"),
+    ("kill", 1, "main.py: error: process 1 terminated with signal SIGKILL; the other processes were stopped", None)])
+def test_run_main_ends_each_way_with_its_line_and_status(how, status, first, last, tmp_path):
+    script = tmp_path / "main.py"
+    script.write_text(MAIN.format(repo=str(REPO)))
+    proc = subprocess.run([sys.executable, script, how], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[:1] == ([first] if first else []), proc.stderr
+    if last:
+        assert lines[-1] == last and proc.stderr.count("Traceback") == 1, proc.stderr
+    else:
+        assert len(lines) <= 1 and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_one_line_leaves_a_bug_to_its_traceback_and_a_raising_process_to_mp_spawns_report(monkeypatch):
-    """A bug (None: run_main lets its traceback show), here or in a spawned process (mp.spawn's report, whole);
-    an allocation that failed is out of memory only where the run says which flags set its sizes; a full disk
-    under a file's name is that file's error (write_or_fail names it), not the output's."""
-    monkeypatch.setattr(sys, "argv", ["demo.py"])
-    for bug in (ValueError("a bug"), KeyError("params"), RuntimeError(CPU_OOM), OSError(28, "No space", "/x/y.pt")):
-        assert common.one_line(bug) is None, bug
-    raised = spawn_report("ValueError: a bug in process 1")
-    assert common.one_line(raised, SIZES) == (raised.msg.strip(), 1)
-    assert common.one_line(spawn_report(CUDA_OOM)) == (spawn_report(CUDA_OOM).msg.strip(), 1)
-    assert raised.msg.strip().startswith("-- Process 1 terminated with the following error:\nTraceback")
-
-
-@dataclasses.dataclass
-class Tuning:
-    lr_base_batch: int = 256
-    warmup_epochs: Optional[float] = None
-    procs: int = 2
-
-
-def test_check_used_refuses_a_flag_the_run_would_drop(monkeypatch):
-    """A value other than the default, for a flag this run does not use: one line naming the flag, its value and when
-    it is used. The default itself passes (given or not, it changes nothing), and so does every flag not named."""
-    rules = {"lr_base_batch": "with --lr-scaling", "warmup_epochs": "with --lr-scaling linear or sqrt"}
-    common.check_used(Tuning(), **rules)
-    common.check_used(Tuning(lr_base_batch=256, procs=8), **rules)
-    with pytest.raises(common.UsageError) as error:
-        common.check_used(Tuning(lr_base_batch=512), **rules)
-    assert str(error.value) == "--lr-base-batch 512: used only with --lr-scaling; drop it"
-    with pytest.raises(common.UsageError, match=r"^--warmup-epochs 2.0: used only with --lr-scaling linear or sqrt; "):
-        common.check_used(Tuning(warmup_epochs=2.0), **rules)
-    with pytest.raises(common.UsageError, match=r"^--procs 3: used only for CPU processes; drop it$"):
-        common.check_used(Tuning(procs=3), procs="for CPU processes")
-
-
-def test_check_memory_compares_what_must_fit_with_the_memory_free_now(monkeypatch):
-    """psutil's available memory (what can be had without swapping), faked at 1 GiB."""
-    import psutil
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 2**30})())
-    common.check_memory("the model", 2**30, "--emsize")  # exactly what is free fits
-    with pytest.raises(common.UsageError) as error:
-        common.check_memory("the model and a window's logits", 2**30 + 2**29, "--emsize, --nhid or --bptt")
-    assert str(error.value) == ("the model and a window's logits need about 1.5 GiB, and this machine has 1.0 GiB "
-                                "free; pass a smaller --emsize, --nhid or --bptt")
-
-
-@pytest.fixture
-def machine(monkeypatch):
-    """check_machine on a machine faked by the test: machine(soft, hard, interfaces) -> the setrlimit calls made."""
-    import resource
-    import socket
-
-    def fake(soft, hard, interfaces=("lo", "eth0")):
-        calls = []
-        monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, hard) if which == resource.RLIMIT_NOFILE
-                            else pytest.fail(f"getrlimit({which})"))
-        monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append((which, limits)))
-        monkeypatch.setattr(socket, "if_nameindex", lambda: list(enumerate(interfaces, 1)))
-        return calls
-
-    for variable in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
-        monkeypatch.delenv(variable, raising=False)
-    return fake
-
-
-def test_check_machine_raises_a_low_open_file_limit_within_the_hard_one(machine):
-    """128 + 80 per process open files: 288 for 2 processes, 928 for 10."""
-    import resource
-    infinity, nofile = resource.RLIM_INFINITY, resource.RLIMIT_NOFILE
-    for soft, hard, processes, raised in [(64, 4096, 2, (288, 4096)), (64, infinity, 10, (928, infinity)),
-                                          (287, 288, 2, (288, 288))]:
-        calls = machine(soft, hard)
-        common.check_machine(processes)
-        assert calls == [(nofile, raised)], (soft, hard, processes)
-    for soft, hard in [(1024, 4096), (infinity, infinity), (288, 288)]:
-        calls = machine(soft, hard)
-        common.check_machine(2)
-        assert calls == [], (soft, hard)
-
-
-def test_check_machine_refuses_a_hard_open_file_limit_below_the_need(machine):
-    calls = machine(64, 287)
-    with pytest.raises(common.UsageError) as error:
-        common.check_machine(2)
-    assert str(error.value) == ("the open-file limit is 287, and 2 processes need about 288; raise it (ulimit -n 288) "
-                                "or start fewer processes")
-    assert calls == []
-
-
-@pytest.mark.parametrize("variable, value, missing", [
-    ("GLOO_SOCKET_IFNAME", "eth9", "eth9"), ("TP_SOCKET_IFNAME", "wlan0", "wlan0"),
-    ("GLOO_SOCKET_IFNAME", "lo,eth9,eth8", "eth9, eth8"),  # gloo takes a list: every name that is not there
-])
-def test_check_machine_refuses_an_interface_the_machine_lacks(variable, value, missing, machine, monkeypatch):
-    machine(1024, 4096, interfaces=("lo", "eth0"))
-    monkeypatch.setenv(variable, value)
-    with pytest.raises(common.UsageError) as error:
-        common.check_machine(2)
-    assert str(error.value) == (f"{variable}={value}: this machine has no network interface {missing} (it has eth0, "
-                                f"lo); unset it or name one of them")
-
-
-def test_check_machine_passes_interfaces_the_machine_has(machine, monkeypatch):
-    machine(1024, 4096, interfaces=("lo", "eth0", "ib0"))
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0,ib0")
-    monkeypatch.setenv("TP_SOCKET_IFNAME", "lo")
-    common.check_machine(2)
-
-
-def test_listen_on_loopback_names_the_loopback_interface_for_every_backend_unless_set(monkeypatch):
-    """gloo, TensorPipe and NCCL each read their variable; one the user set is kept. The loopback interface is found
-    by name (lo on Linux, lo0 elsewhere)."""
-    import socket
-    variables = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-    for interfaces, expected in [(("eth0", "lo"), "lo"), (("en0", "lo0"), "lo0")]:
-        for variable in variables:
-            monkeypatch.delenv(variable, raising=False)
-        monkeypatch.setattr(socket, "if_nameindex", lambda names=interfaces: list(enumerate(names, 1)))
-        common.listen_on_loopback()
-        assert [os.environ[variable] for variable in variables] == [expected] * 3
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
-    monkeypatch.delenv("TP_SOCKET_IFNAME")
-    common.listen_on_loopback()
-    assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["TP_SOCKET_IFNAME"]) == ("eth0", "lo0")
-
-
-def test_loopback_addresses_are_told_from_others():
-    assert all(common.loopback(host) for host in ("127.0.0.1", "127.0.1.1", "::1", "localhost"))
-    assert not any(common.loopback(host) for host in ("192.0.2.1", "2001:db8::1", "0.0.0.0"))
-
-
-def test_tf32_is_set_on_cuda_devices_only_and_every_getter_still_reads_it(monkeypatch):
-    """On the CPU nothing changes; on a CUDA device TF32 goes on or off through the allow_tf32 flags, after which
-    torch's getters, the legacy ones and the fp32_precision ones, all read it back (setting fp32_precision instead
-    makes torch.backends.cuda.matmul.allow_tf32 raise "mix of the legacy and new APIs")."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+def test_ctrl_c_ends_the_run_with_status_130_and_every_process_stopped(tmp_path):
+    """Ctrl-C sends SIGINT to the whole foreground process group: the launcher and its processes."""
+    script = tmp_path / "main.py"
+    script.write_text(MAIN.format(repo=str(REPO)))
+    proc = subprocess.Popen([sys.executable, script, "sleep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=as_a_shells_job)
     try:
-        common.set_tf32(torch.device("cpu"), True)
-        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == saved
-        for allowed, precision in ((True, "tf32"), (False, "ieee")):
-            common.set_tf32(torch.device("cuda", 0), allowed)  # a device object: no GPU is touched
-            assert torch.backends.cuda.matmul.allow_tf32 is allowed and torch.backends.cudnn.allow_tf32 is allowed
-            assert torch.backends.cuda.matmul.fp32_precision == precision
-            assert torch.get_float32_matmul_precision() == ("high" if allowed else "highest")
+        wait_for_line(proc, "working", timeout=60)
+        wait_for_line(proc, "working", timeout=60)  # both processes run their worker
+        workers = spawned_workers(proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        kill_all(proc)
+    assert proc.returncode == 130
+    assert proc.stderr.read().strip().splitlines()[-1] == "main.py: interrupted; every process was stopped"
+    assert_all_ended(workers, timeout=5)

@@ -8,7 +8,6 @@ left running."""
 import contextlib
 import io
 import math
-import os
 import re
 import resource
 import shutil
@@ -31,8 +30,7 @@ from conftest import (
     OFFLINE,
     REPO,
     assert_all_ended,
-    assert_help_follows_the_rules,
-    assert_help_shows_every_default,
+    assert_help_lists_every_flag,
     assert_usage_error,
     data_folder,
     first_visible_gpu,
@@ -45,7 +43,6 @@ from conftest import (
     start_script,
     torchrun_command,
     tree,
-    unprivileged,
     wait_for_line,
 )
 
@@ -268,9 +265,8 @@ def test_a_few_distributed_steps_end_where_one_process_training_the_same_windows
     assert max((unclipped[name] - weight).abs().max().item() for name, weight in weights.items()) > 1e-3
 
 
-def test_help_follows_the_rules(capsys):
-    assert_help_follows_the_rules(rpc_rnn, capsys)
-    assert_help_shows_every_default(rpc_rnn, capsys)
+def test_help_lists_every_flag(capsys):
+    assert_help_lists_every_flag(rpc_rnn, capsys)
 
 
 def test_help_says_what_not_given_means_and_names_only_what_a_copy_has(capsys):
@@ -366,8 +362,8 @@ def test_a_killed_launcher_leaves_nothing(text_dir):
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one(text_dir, tmp_path):
     """The disk fills up mid-run: a file-size limit of 256 kB put on the trainer, which writes every file, after
     the first epoch's files stops the next one (the --save file or the checkpoint, 2.8 MB each) but not the few
-    bytes the processes add to their rendezvous file as they shut down. One line that says what to do, exit status
-    1, and the last checkpoint and the saved model still load."""
+    bytes the processes add to their rendezvous file as they shut down. The trainer's traceback ends in Python's
+    error, exit status 1, and the last checkpoint and the saved model still load."""
     checkpoint_dir, save = tmp_path / "checkpoints", tmp_path / "lm.pt"
     launcher = start_script("rpc_rnn.py", "--data-dir", text_dir, "--epochs", 50, "--max-batches", 10,
                             "--log-interval", 1, "--checkpoint-dir", checkpoint_dir, "--save", save, *SMALL)
@@ -388,8 +384,8 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_last_one
         ended_after = time.monotonic() - limited_at
         assert ended_after < 2 * epoch_seconds + ENDS_WITHIN_S, (ended_after, epoch_seconds)
         assert launcher.returncode == 1, stderr
-        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
-        assert "cannot write" in stderr and "free space" in stderr and "intact" in stderr, stderr
+        assert stderr.startswith("process 1 raised:\nTraceback") and stderr.count("Traceback") == 1, stderr
+        assert stderr.strip().splitlines()[-1] == "OSError: [Errno 27] File too large", stderr
         saved = common.load_checkpoint(checkpoint_dir / "rpc_rnn.pt", "rpc_rnn", "--resume",
                                        keys=("model", "vocab", "config", "recipe", "run"))
         assert saved["run"]["epoch"] >= 2
@@ -422,6 +418,49 @@ def test_two_torchrun_nodes_compute_the_losses_of_the_spawned_run(trained, text_
     result = last_json(outputs[1][0])
     assert result["losses"] == trained["result"]["losses"]
     assert result["test_loss"] == trained["result"]["test_loss"]
+
+
+def test_a_frozen_trainer_node_ends_the_ps_node_within_the_rpc_timeout(text_dir):
+    """Two torchrun nodes on loopback, the ps on node 0; once training runs, the trainer's node freezes (its agent and
+    its worker stopped with SIGSTOP). The ps, which asks the trainer every half second whether it is done
+    (common.serve), finds it silent after --rpc-timeout and ends with the script's one line, and node 0's torchrun
+    reports the failure and exits: rpc.shutdown alone would have the ps wait for the trainer forever."""
+    port = free_port()
+    nodes = [subprocess.Popen(torchrun_command("--nnodes", 2, "--node-rank", rank, "--nproc-per-node", 1,
+                                               "--master-addr", "127.0.0.1", "--master-port", port, "rpc_rnn.py",
+                                               "--data-dir", text_dir, "--epochs", 50, "--log-interval", 1,
+                                               "--rpc-timeout", 10, *SMALL),
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    frozen = []
+    try:
+        wait_for_line(nodes[1], "ms/batch", timeout=120)  # the trainer is training
+        frozen = [psutil.Process(nodes[1].pid), *psutil.Process(nodes[1].pid).children(recursive=True)]
+        for process in frozen:
+            process.suspend()
+        stopped_at = time.monotonic()
+        _, stderr = nodes[0].communicate(timeout=120)
+        ended_after = time.monotonic() - stopped_at
+    finally:
+        kill_all(*nodes, pids=[process.pid for process in frozen])
+    assert nodes[0].returncode != 0, stderr[-3000:]
+    lost = [line for line in stderr.splitlines() if "lost a peer" in line]
+    assert len(lost) == 1 and lost[0].startswith("process 0 lost a peer (") and "RPC ran for more than" in lost[0], \
+        stderr[-3000:]
+    # the ping's 10 s, up to half a second to the next ping, then torchrun's report and exit; 20 s more leave room
+    # for a loaded machine
+    assert 10 <= ended_after < 10 + 0.5 + 20, ended_after
+
+
+def test_a_diverged_run_reports_its_perplexity_as_null_not_a_capped_number(text_dir):
+    """--lr 1e6 drives the loss to thousands, whose exp overflows a float: the result line's perplexities are null
+    (strict JSON), the losses as they were."""
+    proc = run_script("rpc_rnn.py", "--data-dir", text_dir, "--epochs", 1, "--max-batches", 5, "--lr", "1e6", *SMALL,
+                      timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc.stdout)
+    assert result["valid_loss"] > 700 and result["valid_ppl"] is None and result["test_ppl"] is None, result
+    assert "ppl inf" in proc.stdout
 
 
 def trainer_of(agent):
@@ -544,7 +583,6 @@ def bad_invocations(text_dir, trained, tmp):
     resume = [*data, *TRAIN, "--checkpoint-dir", resume_dir, "--resume"]
     in_dir = lambda name, change: [*data, *TRAIN, "--resume", "--checkpoint-dir", resaved(  # noqa: E731
         trained["checkpoint"], tmp / name / "rpc_rnn.pt", change).parent]
-    (tmp / "folder-checkpoint" / "rpc_rnn.pt").mkdir(parents=True)
     truncated = tmp / "truncated.pt"
     truncated.write_bytes(trained["save"].read_bytes()[:5000])
     garbage = tmp / "garbage.pt"
@@ -553,102 +591,45 @@ def bad_invocations(text_dir, trained, tmp):
     common.save_checkpoint(other_script, "multi_gpu", {"model": {}, "vocab": [], "config": {}})
     (tmp / "a-file").write_text("x")
     (tmp / "empty-folder").mkdir()
-    os.mkfifo(tmp / "fifo")
-    (tmp / "dangling").mkdir()
-    (tmp / "dangling" / "rpc_rnn.pt").symlink_to(tmp / "gone.pt")  # a link to nothing
-    (tmp / "text-link.txt").symlink_to(text_dir / "train.txt")
-    too_long = "x" * 300
     generate = ["--generate", "5", "--load"]
     return {
-        # numbers out of range, or not numbers at all
-        "bptt-zero": bad([*data, "--bptt", "0"], "--bptt 0: not a whole number, 1 or more"),
-        "batch-size-negative": bad([*data, "--batch-size", "-1"], "--batch-size -1: not a whole number, 1 or more"),
-        "lr-nan": bad([*data, "--lr", "nan"], "--lr nan: not a positive number"),
-        "clip-inf": bad([*data, "--clip", "inf"], "--clip inf: not a positive number"),
+        # numbers out of range, or not numbers at all: argparse's own line
+        "bptt-zero": bad([*data, "--bptt", "0"], "argument --bptt: '0' is not a whole number, 1 or more"),
+        "batch-size-negative": bad([*data, "--batch-size", "-1"], "argument --batch-size: '-1' is not a whole number"),
+        "lr-nan": bad([*data, "--lr", "nan"], "argument --lr: 'nan' is not a positive number"),
+        "clip-inf": bad([*data, "--clip", "inf"], "argument --clip: 'inf' is not a positive number"),
+        "rpc-timeout-with-a-unit": bad([*data, "--rpc-timeout", "10m"], "argument --rpc-timeout: '10m' is not a "
+                                                                         "positive number"),
+        "seed-negative": bad([*data, "--seed", "-1"], "argument --seed: '-1' is not a seed"),
+        "max-batches-fraction": bad([*data, "--max-batches", "1.5"], "argument --max-batches: '1.5' is not a whole"),
+        "generate-zero": bad([*generate, trained["save"], "--generate", "0"], "argument --generate: '0' is not a "
+                                                                               "whole number"),
+        "temperature-zero": bad([*generate, trained["save"], "--temperature", "0"], "argument --temperature: '0' is "
+                                                                                     "not a positive number"),
         "dropout-one": bad([*data, "--dropout", "1"], "--dropout 1.0: not from 0 up to, not including, 1"),
         "dropout-negative": bad([*data, "--dropout", "-0.1"], "--dropout -0.1: not from 0"),
-        "rpc-timeout-zero": bad([*data, "--rpc-timeout", "0"], "--rpc-timeout 0: not a number of seconds from 0.001"),
-        "rpc-timeout-with-a-unit": bad([*data, "--rpc-timeout", "10m"], "--rpc-timeout 10m: not a number of seconds"),
-        # new: beyond 32-bit milliseconds, where every RPC would fail at once as if its peer were lost
-        "rpc-timeout-of-a-month": bad([*data, "--rpc-timeout", "2592000"], "--rpc-timeout 2592000: not a number of"),
-        "seed-of-20-digits": bad([*data, "--seed", "12345678901234567890"], "a seed from 0 to 2**32 - 1"),
-        "seed-negative": bad([*data, "--seed", "-1"], "--seed -1: not a seed"),
-        "emsize-beyond-int64": bad([*data, "--emsize", "9" * 20], "not a whole number, 1 or more"),
-        "max-batches-fraction": bad([*data, "--max-batches", "1.5"], "--max-batches 1.5: not a whole number"),
-        "generate-zero": bad([*generate, trained["save"], "--generate", "0"], "--generate 0: not a whole number"),
-        "temperature-zero": bad([*generate, trained["save"], "--temperature", "0"], "--temperature 0: not a positive"),
-        # new: logits / 1e-320 overflow, and sampling raised (word_language_model's generate.py refuses below 1e-3)
-        "temperature-below-the-floor": bad([*generate, trained["save"], "--temperature", "1e-320"],
-                                           "--temperature 1e-320: below the tutorial's floor; pass 1e-3 or more"),
-        # empty values: an unset $VARIABLE is an error, never "not given"
-        "checkpoint-dir-empty": bad([*data, "--checkpoint-dir", ""], "--checkpoint-dir '': an empty value"),
-        "data-dir-empty": bad(["--data-dir", ""], "--data-dir '': an empty value"),
-        "save-empty": bad([*data, "--save", ""], "--save '': an empty value"),
-        "load-empty": bad([*generate, ""], "--load '': an empty value"),
-        # paths the file system refuses, or that name the wrong kind of thing
-        "save-name-too-long": bad([*data, "--save", tmp / too_long], "File name too long"),
-        "data-dir-name-too-long": bad(["--data-dir", tmp / too_long], "File name too long"),
-        "checkpoint-dir-name-too-long": bad([*data, "--checkpoint-dir", tmp / too_long / "x"], "File name too long"),
-        "save-to-dev-null": bad([*data, "--save", "/dev/null"], "--save /dev/null: not a regular file"),
-        "save-to-a-fifo": bad([*data, "--save", tmp / "fifo"], "fifo: not a regular file"),
-        "load-a-fifo": bad([*generate, tmp / "fifo"], "fifo: not a regular file"),
-        "checkpoint-dir-dev-null": bad([*data, "--checkpoint-dir", "/dev/null"], "/dev/null is not a folder"),
-        "data-dir-dev-null": bad(["--data-dir", "/dev/null"], "--data-dir /dev/null: not a folder"),
-        "save-under-a-file": bad([*data, "--save", tmp / "a-file" / "lm.pt"], "Not a directory"),
-        "checkpoint-dir-under-a-file": bad([*data, "--checkpoint-dir", tmp / "a-file" / "ckpt"], "Not a directory"),
-        "data-dir-is-a-file": bad(["--data-dir", text_dir / "train.txt"], "not a folder"),
-        "save-is-a-folder": bad([*data, "--save", tmp], "not a regular file; pass a file name"),
-        "save-in-a-missing-folder": bad([*data, "--save", tmp / "missing" / "lm.pt"], "does not exist"),
-        "checkpoint-dir-is-a-file": bad([*data, "--checkpoint-dir", tmp / "a-file"], "is not a folder"),
-        "checkpoint-is-a-dangling-link": bad([*data, "--checkpoint-dir", tmp / "dangling", "--resume"],
-                                             f"--checkpoint-dir {tmp}/dangling/rpc_rnn.pt: a link to nothing; pass a "
-                                             f"file name"),  # the link left as it is: tree() reads links, not targets
-        "checkpoint-is-a-folder": bad([*data, "--checkpoint-dir", tmp / "folder-checkpoint", "--resume"],
-                                      "rpc_rnn.pt: not a regular file"),
-        "checkpoint-is-a-folder-without-resume": bad([*data, "--checkpoint-dir", tmp / "folder-checkpoint"],
-                                                     "rpc_rnn.pt: not a regular file"),  # was found after epoch 1
-        "save-is-the-checkpoint": bad([*data, "--checkpoint-dir", resume_dir, "--save", resume_dir / "rpc_rnn.pt"],
-                                      "rpc_rnn.pt: the checkpoint that --checkpoint-dir writes; pass another file"),
-        "save-is-the-checkpoint-by-another-path": bad([*data, "--checkpoint-dir", resume_dir, "--save",
-                                                       tmp / "empty-folder" / ".." / "resume" / "rpc_rnn.pt"],
-                                                      "the checkpoint that --checkpoint-dir writes"),
-        "load-missing": bad([*generate, tmp / "nothing.pt"], "no such file"),
-        "load-is-a-folder": bad([*generate, tmp], "not a regular file; pass a file"),
-        # flags that do not go together
+        # flags that do not go together, folders that cannot be made, files that are not there
         "resume-without-checkpoint-dir": bad([*data, "--resume"], "--resume needs --checkpoint-dir"),
         "load-without-generate": bad([*data, "--load", trained["save"]], "pass both or neither"),
         "generate-without-load": bad(["--generate", "5"], "pass both or neither"),
         "check-gradients-with-dropout": bad([*data, "--check-gradients"], "--check-gradients needs --dropout 0"),
         "cuda-without-gpu": bad([*data, "--cuda"], "no GPU found"),
-        # flags the run would drop without a word
-        "save-with-generate": bad([*generate, trained["save"], "--save", tmp / "out.pt"],
-                                  f"--save {tmp}/out.pt: used only to train, not with --generate; drop it"),
-        "save-with-check-gradients": bad([*data, "--check-gradients", "--dropout", "0", "--save", tmp / "out.pt"],
-                                         f"--save {tmp}/out.pt: used only to train, not with --check-gradients; drop "
-                                         f"it"),
-        "temperature-without-generate": bad([*data, "--temperature", "0.5"],
-                                            "--temperature 0.5: used only with --generate; drop it"),
-        "data-dir-with-generate": bad([*generate, trained["save"], *data],
-                                      f"--data-dir {text_dir}: used only to train, not with --generate; drop it"),
-        "epochs-with-check-gradients": bad([*data, "--check-gradients", "--dropout", "0", "--epochs", "3"],
-                                           "--epochs 3: used only to train, not with --check-gradients; drop it"),
-        # the model --generate samples from is the --load file's, sizes and all
-        "nhid-with-generate": bad([*generate, trained["save"], "--nhid", "64"],
-                                  "--nhid 64: used only to train, not with --generate; drop it"),
+        "checkpoint-dir-under-a-file": bad([*data, "--checkpoint-dir", tmp / "a-file" / "ckpt"],
+                                           "cannot create this folder (Not a directory)"),
+        "load-missing": bad([*generate, tmp / "nothing.pt"], "no such file"),
         # launcher variables set by hand: checked whole, before the 2M-word corpus is read
         "rank-without-master-addr": bad(data, "MASTER_ADDR not set",
                                         {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                                          "MASTER_PORT": "29500"}),
-        "rank-world-size-local-rank-only": bad(data, "LOCAL_WORLD_SIZE, MASTER_PORT, MASTER_ADDR not set",
+        "rank-world-size-local-rank-only": bad(data, "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set",
                                                {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}),
         "rank-not-below-world-size": bad(data, "want ranks below their sizes", {**TORCHRUN_ENV, "RANK": "2"}),
-        "master-port-out-of-range": bad(data, "a port below 65536", {**TORCHRUN_ENV, "MASTER_PORT": "70000"}),
         "three-processes": bad(data, "exactly 2 processes", {**TORCHRUN_ENV, "WORLD_SIZE": "3",
                                                                "LOCAL_WORLD_SIZE": "3"}),
         # files whose contents are not a checkpoint of this script, or do not fit the model they are loaded into
         "load-garbage": bad([*generate, garbage], "not a readable checkpoint"),
         "load-truncated": bad([*generate, truncated], "not a readable checkpoint"),
-        "load-of-another-script": bad([*generate, other_script], "written by multi_gpu, not by rpc_rnn.py"),
+        "load-of-another-script": bad([*generate, other_script], "not written by rpc_rnn.py"),
         "load-damaged": bad([*generate, damaged(trained["save"], tmp / "damaged-save.pt")], "damaged"),
         "load-weights-that-do-not-fit-their-config": bad(
             [*generate, resaved(trained["save"], tmp / "other-config.pt", lambda saved: saved["config"].update(
@@ -673,37 +654,21 @@ def bad_invocations(text_dir, trained, tmp):
                                "or a smaller --batch-size", reads_data=True),
         "not-utf8": bad(["--data-dir", corpus_like(text_dir, tmp / "latin1", valid=b"caf\xe9\n")], "not UTF-8 text",
                         reads_data=True),
-        # --save would write the model over the text after the first epoch
-        "save-over-the-text": bad([*data, "--save", text_dir / "valid.txt"],
-                                  f"--save {text_dir}/valid.txt: a file of the text this run reads; pass another file",
-                                  reads_data=True),
-        "save-over-the-text-through-a-link": bad([*data, "--save", tmp / "text-link.txt"],
-                                                 "a file of the text this run reads", reads_data=True),
         "resume-another-text": bad([*resume, "--data-dir", corpus_like(text_dir, tmp / "other", train="a b c\n" * 99)],
                                    "written for another text", reads_data=True),
     }
 
 
 BAD_CASES = [
-    "bptt-zero", "batch-size-negative", "lr-nan", "clip-inf", "dropout-one", "dropout-negative", "rpc-timeout-zero",
-    "rpc-timeout-with-a-unit", "rpc-timeout-of-a-month", "seed-of-20-digits", "seed-negative",
-    "emsize-beyond-int64", "max-batches-fraction", "generate-zero", "temperature-zero",
-    "temperature-below-the-floor", "checkpoint-dir-empty", "data-dir-empty", "save-empty", "load-empty",
-    "save-name-too-long", "data-dir-name-too-long", "checkpoint-dir-name-too-long", "save-to-dev-null",
-    "save-to-a-fifo", "load-a-fifo", "checkpoint-dir-dev-null", "data-dir-dev-null", "save-under-a-file",
-    "checkpoint-dir-under-a-file", "data-dir-is-a-file", "save-is-a-folder", "save-in-a-missing-folder",
-    "checkpoint-dir-is-a-file", "checkpoint-is-a-folder", "checkpoint-is-a-folder-without-resume",
-    "save-is-the-checkpoint", "save-is-the-checkpoint-by-another-path", "load-missing", "load-is-a-folder",
-    "resume-without-checkpoint-dir", "load-without-generate", "generate-without-load",
-    "check-gradients-with-dropout", "cuda-without-gpu", "rank-without-master-addr",
-    "rank-world-size-local-rank-only", "rank-not-below-world-size", "master-port-out-of-range", "three-processes",
-    "load-garbage", "load-truncated", "load-of-another-script", "load-damaged",
-    "load-weights-that-do-not-fit-their-config", "resume-damaged", "resume-another-recipe",
-    "resume-fewer-epochs-than-done", "resume-another-version", "resume-weights-that-do-not-fit", "no-data-offline",
-    "train-txt-is-a-folder", "empty-corpus", "one-line-corpus", "not-utf8", "resume-another-text", "save-with-generate",
-    "save-with-check-gradients", "temperature-without-generate", "data-dir-with-generate",
-    "epochs-with-check-gradients", "nhid-with-generate", "checkpoint-is-a-dangling-link", "save-over-the-text",
-    "save-over-the-text-through-a-link",
+    "bptt-zero", "batch-size-negative", "lr-nan", "clip-inf", "rpc-timeout-with-a-unit", "seed-negative",
+    "max-batches-fraction", "generate-zero", "temperature-zero", "dropout-one", "dropout-negative",
+    "resume-without-checkpoint-dir", "load-without-generate", "generate-without-load", "check-gradients-with-dropout",
+    "cuda-without-gpu", "checkpoint-dir-under-a-file", "load-missing", "rank-without-master-addr",
+    "rank-world-size-local-rank-only", "rank-not-below-world-size", "three-processes", "load-garbage",
+    "load-truncated", "load-of-another-script", "load-damaged", "load-weights-that-do-not-fit-their-config",
+    "resume-damaged", "resume-another-recipe", "resume-fewer-epochs-than-done", "resume-another-version",
+    "resume-weights-that-do-not-fit", "no-data-offline", "train-txt-is-a-folder", "empty-corpus", "one-line-corpus",
+    "not-utf8", "resume-another-text",
 ]
 
 
@@ -744,22 +709,9 @@ def test_bad_input_is_one_line_exit_2_before_anything_is_read_started_or_written
     assert psutil.Process().children(recursive=True) == running
 
 
-def test_an_unreadable_train_txt_is_one_line_exit_2_also_for_root(text_dir, tmp_path):
-    """A train.txt of mode 000, read by a process held to the permission bits (conftest.unprivileged: as root, in a
-    user namespace of its own): one line, exit 2, before any process starts."""
-    folder = corpus_like(text_dir, tmp_path / "unreadable")
-    (folder / "train.txt").chmod(0)
-    before = tree(tmp_path)
-    proc = subprocess.run(unprivileged([sys.executable, REPO / "rpc_rnn.py", "--data-dir", folder]), cwd=REPO,
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **OFFLINE})
-    assert_usage_error(proc, f"rpc_rnn.py: error: cannot read {folder}/train.txt (Permission denied); pass a "
-                             f"--data-dir with UTF-8 text")
-    assert proc.stdout == "" and tree(tmp_path) == before
-
-
 @pytest.mark.parametrize("args, env, fragment", [
-    (["--lr", "nan"], {}, "--lr nan: not a positive number"),
-    (["--bptt", "0"], {}, "--bptt 0: not a whole number"),
+    (["--lr", "nan"], {}, "argument --lr: 'nan' is not a positive number"),
+    (["--bptt", "0"], {}, "argument --bptt: '0' is not a whole number"),
     # set by hand, without MASTER_ADDR: said before the data are read (an empty --data-dir offline would say
     # "cannot download" first)
     ([], {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500"},

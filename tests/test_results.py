@@ -1,0 +1,45 @@
+"""results/ and the pages that show it: every table a page shows is its result file's, rendered as it is now."""
+
+import json
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import harness  # noqa: E402
+
+KEYS = {"name", "command", "torch", "python", "machine", "date", "commit", "notes", "tables"}
+
+
+def test_every_page_shows_its_result_files_as_they_are():
+    """`python benchmarks/harness.py` leaves every page as it is: what a page shows between its markers is its
+    result file's table and the line that says how it was measured."""
+    for page in harness.PAGES:
+        assert page.read_text() == harness.rendered(page), f"{page.name}: run python benchmarks/harness.py"
+
+
+def test_every_result_file_says_how_it_was_measured_and_every_table_is_shown():
+    shown = {(match["name"], match["table"]) for page in harness.PAGES
+             for match in harness.MARKER.finditer(page.read_text())}
+    files = sorted((REPO / "results").glob("*.json"))
+    assert files
+    for path in files:
+        result = json.loads(path.read_text())
+        assert set(result) == KEYS and result["name"] == path.stem, path
+        assert result["command"].startswith("python ") and result["commit"] and result["machine"], path
+        for title, table in result["tables"].items():
+            assert (path.stem, title) in shown, f"{path.name}: table {title!r} is on no page"
+            assert all(len(row) == len(table["columns"]) for row in table["rows"]), (path, title)
+    assert {name for name, _ in shown} <= {path.stem for path in files}
+
+
+def test_a_table_renders_with_its_measurement(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    (tmp_path / "demo.json").write_text(json.dumps({
+        "name": "demo", "command": "python benchmarks/demo.py", "torch": "2.15.0", "python": "3.11.7",
+        "machine": "a CPU, 2 cores", "date": "2026-11-29", "commit": "abc1234", "notes": "Seeds 1-8.",
+        "tables": {"Speed": {"columns": ["variant", "s", "runs"], "rows": [["a", 1.23456, 8], ["b", 12345.6, None]]}}}))
+    assert harness.table_markdown("demo", "Speed") == (
+        "| variant | s | runs |\n| --- | --- | --- |\n| a | 1.235 | 8 |\n| b | 12,346 | – |\n\n"
+        "`python benchmarks/demo.py`: torch 2.15.0, Python 3.11.7, a CPU, 2 cores, 2026-11-29, commit abc1234 "
+        "([results/demo.json](../results/demo.json)). Seeds 1-8.\n")
