@@ -121,6 +121,7 @@ def validate(args):
     """The rules that involve several flags or the launcher's variables (each flag's own rule is its type in Args),
     checked before any data is read: each broken rule is one line and exit status 2."""
     check(0 <= args.dropout < 1, f"--dropout {args.dropout}: not from 0 up to, not including, 1")
+    check(args.temperature >= 1e-3, f"--temperature {args.temperature}: below word_language_model's floor, 1e-3")
     check(not args.cuda or torch.accelerator.device_count() > 0, "--cuda given but no GPU found; run without --cuda")
     check(bool(args.generate) == bool(args.load), "--generate N samples from the saved model that --load FILE names: "
           "pass both or neither (to continue an interrupted run: --checkpoint-dir DIR --resume)")

@@ -606,6 +606,8 @@ def bad_invocations(text_dir, trained, tmp):
                                                                                "whole number"),
         "temperature-zero": bad([*generate, trained["save"], "--temperature", "0"], "argument --temperature: '0' is "
                                                                                      "not a positive number"),
+        "temperature-below-the-floor": bad([*generate, trained["save"], "--temperature", "1e-320"],
+                                           "--temperature 1e-320: below word_language_model's floor, 1e-3"),
         "dropout-one": bad([*data, "--dropout", "1"], "--dropout 1.0: not from 0 up to, not including, 1"),
         "dropout-negative": bad([*data, "--dropout", "-0.1"], "--dropout -0.1: not from 0"),
         # flags that do not go together, folders that cannot be made, files that are not there
@@ -661,7 +663,8 @@ def bad_invocations(text_dir, trained, tmp):
 
 BAD_CASES = [
     "bptt-zero", "batch-size-negative", "lr-nan", "clip-inf", "rpc-timeout-with-a-unit", "seed-negative",
-    "max-batches-fraction", "generate-zero", "temperature-zero", "dropout-one", "dropout-negative",
+    "max-batches-fraction", "generate-zero", "temperature-zero", "temperature-below-the-floor", "dropout-one",
+    "dropout-negative",
     "resume-without-checkpoint-dir", "load-without-generate", "generate-without-load", "check-gradients-with-dropout",
     "cuda-without-gpu", "checkpoint-dir-under-a-file", "load-missing", "rank-without-master-addr",
     "rank-world-size-local-rank-only", "rank-not-below-world-size", "three-processes", "load-garbage",
