@@ -124,7 +124,7 @@ def part_exercises(options, budget=75, seeds=(0, 1, 2)):
 def plot_exercises(curves, budget):
     import numpy as np
     from matplotlib.figure import Figure
-    figure = Figure(figsize=(12, 4.2))
+    figure = Figure(figsize=(12, 4.8))
     seconds = np.arange(budget + 1)
     for axes, (title, variants) in zip(figure.subplots(1, len(PANELS), sharey=True), PANELS):
         for variant in variants:
