@@ -60,10 +60,11 @@ def machine():
 
 
 def commit():
-    """The commit of the code measured, with `+changes` when tracked files differ from it."""
+    """The commit of the code measured, with `+changes` when its Python files or requirements differ from it."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+    changed = git("status", "--porcelain", "-uno", "--", "*.py", "requirements.txt")
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
 
 
 def write_result(name, tables, notes="", folder=None):
