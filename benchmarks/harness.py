@@ -88,7 +88,7 @@ def cell(value):
         return "–"
     if isinstance(value, float) and abs(value) >= 1000 or isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,.0f}"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value).replace("|", "\\|")  # (a column's border)
 
 
 def table_markdown(name, title):
