@@ -130,12 +130,14 @@ def data_cache(folder):
 
 
 def timed(command, env, timeout=1800):
-    """(exit status, the last line before the JSON line, wall seconds) of a command run from the repository."""
+    """(exit status, the last line before the JSON line, or the JSON line where it is the only one, wall seconds) of
+    a command run from the repository."""
     started = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **env})
-    lines = [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith("{")]
-    return proc.returncode, (lines[-1] if lines else proc.stderr.strip()[-200:])[:110], time.perf_counter() - started
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("{")] or lines or [proc.stderr.strip()]
+    return proc.returncode, lines[-1][:110], time.perf_counter() - started
 
 
 def quickstart(python=sys.executable):
