@@ -91,23 +91,35 @@ def cell(value):
     return f"{value:.4g}" if isinstance(value, float) else str(value).replace("|", "\\|")  # (a column's border)
 
 
-def table_markdown(name, title):
-    """The markdown of one table of results/NAME.json, with the line that says how it was measured."""
+def table_markdown(name, title, first=True):
+    """The markdown of one table of results/NAME.json, with the line that says how it was measured (after a page's
+    first table of that file, a link back to it)."""
     result = json.loads((RESULTS / f"{name}.json").read_text())
     table = result["tables"][title]
     lines = ["| " + " | ".join(table["columns"]) + " |", "|" + " --- |" * len(table["columns"])]
     lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in table["rows"]]
     source = (f"`{result['command']}`: torch {result['torch']}, Python {result['python']}, {result['machine']}, "
               f"{result['date']}, commit {result['commit']} ([results/{name}.json](../results/{name}.json))")
+    if not first:
+        return "\n".join(lines) + f"\n\nThe same run ([results/{name}.json](../results/{name}.json)).\n"
     return "\n".join(lines) + "\n\n" + source + (f". {result['notes']}" if result["notes"] else "") + "\n"
 
 
 def rendered(page):
-    """The text of a page with every marked table rendered from its result file."""
-    text = page.read_text()
+    """The text of a page with every marked table rendered from its result file (left as it is where the file does
+    not exist yet: results/suite.json, say, before the first --suite)."""
     link = "results/" if page.parent == REPO else "../results/"
-    return MARKER.sub(lambda match: match[1] + table_markdown(match["name"], match["table"]).replace(
-        "](../results/", f"]({link}") + match[5], text)
+
+    seen = set()
+
+    def render(match):
+        if not (RESULTS / f"{match['name']}.json").exists():
+            print(f"{page.relative_to(REPO)}: no results/{match['name']}.json yet", flush=True)
+            return match[0]
+        table = table_markdown(match["name"], match["table"], first=match["name"] not in seen)
+        seen.add(match["name"])
+        return match[1] + table.replace("](../results/", f"]({link}") + match[5]
+    return MARKER.sub(render, page.read_text())
 
 
 QUICKSTART = ["multi_gpu.py --gpus 0 --procs 2 --limit-train 8192 --batch-size 32 --epochs 2",

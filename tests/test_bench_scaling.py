@@ -84,7 +84,8 @@ def test_tiny_run_fits_checks_every_point_predicts_and_writes_its_result(tmp_pat
     agent = tables["Check: the agent's step (measured / model)"]["rows"]
     assert [(row[0], row[1]) for row in agent] == [(1, 1), (1, 64)] and all(row[2] > 0 for row in agent)
     epochs = tables["Predicted epoch, global batch 256, in seconds"]
-    assert len(epochs["rows"]) == 4 * 3 and epochs["columns"][2:] == [f"k = {k}" for k in bench_scaling.COUNTS]
+    assert len(epochs["rows"]) == 4 * 2 and epochs["columns"][2:] == [f"k = {k}" for k in bench_scaling.COUNTS]
+    assert [row[1] for row in epochs["rows"][:2]] == ["tutorial", "ring = builtin"]  # the builtin modelled as the ring
     for row in epochs["rows"]:  # one device: 235 steps of 0.5 ms and no allreduce
         assert float(row[2]) == pytest.approx(bench_scaling.STEPS_PER_EPOCH * 0.5e-3, rel=1e-2)
     observers = tables["Predicted env steps/s of rpc_rl, N observers"]["rows"]

@@ -43,3 +43,5 @@ def test_a_table_renders_with_its_measurement(tmp_path, monkeypatch):
         "| variant | s | runs |\n| --- | --- | --- |\n| a | 1.235 | 8 |\n| b | 12,346 | – |\n\n"
         "`python benchmarks/demo.py`: torch 2.15.0, Python 3.11.7, a CPU, 2 cores, 2026-11-29, commit abc1234 "
         "([results/demo.json](../results/demo.json)). Seeds 1-8.\n")
+    assert harness.table_markdown("demo", "Speed", first=False).endswith(  # a page's next table of the same run
+        "| b | 12,346 | – |\n\nThe same run ([results/demo.json](../results/demo.json)).\n")
