@@ -13,8 +13,8 @@ also measures what README shows:
 
     python benchmarks/harness.py --quickstart          # README's quick start, as written: results/quickstart.json
     python benchmarks/harness.py --suite               # python -m pytest, timed: results/suite.json
-    python benchmarks/harness.py --python PY [--python PY ...]   # one run of each script and the bad-input tests
-                                                                 # with other interpreters: results/python_versions.json
+    python benchmarks/harness.py --python PY [--python PY ...]   # the quick start and the bad-input tests with
+                                                                 # other interpreters: results/python_versions.json
 """
 
 import argparse
@@ -191,11 +191,15 @@ def main():
             with tempfile.TemporaryDirectory() as folder:
                 status, last, seconds = timed([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                                                "bad_input or help_lists or bad_data or corrupt"], data_cache(folder))
-            rows += [[python_version, torch_version, numpy_version, *row[:3]] for row in quickstart(python)]
-            rows.append([python_version, torch_version, numpy_version, "`python -m pytest -k 'bad_input or ...'`",
-                         status, f"`{last}`"])
+            runs = quickstart(python)
+            rows.append([python_version, torch_version, numpy_version,
+                         f"{sum(run[1] == 0 for run in runs)} of {len(runs)}, {sum(run[3] for run in runs)} s",
+                         f"`{last}`" if status == 0 else f"exit status {status}: `{last}`"])
         write_result("python_versions", {"Other interpreters and torch releases": {
-            "columns": ["Python", "torch", "numpy", "command", "exit status", "its last line"], "rows": rows}})
+            "columns": ["Python", "torch", "numpy", "quick-start commands that exit 0", "bad-input tests"],
+            "rows": rows}}, "Each interpreter a venv of requirements.txt (or with the torch named). The quick start: "
+                            "README's commands; the bad-input tests: `python -m pytest -k \"bad_input or help_lists or "
+                            "bad_data or corrupt\"`")
     if not (args.quickstart or args.suite or args.python):
         for page in PAGES:
             if page.read_text() != (text := rendered(page)):
