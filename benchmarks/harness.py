@@ -69,15 +69,17 @@ def commit():
 
 def write_result(name, tables, notes="", folder=None):
     """results/NAME.json (or folder/NAME.json): tables ({title: {"columns": [...], "rows": [[...], ...]}}), a note
-    for the reader, and how they were measured: the command as run, torch, Python, machine, date and commit."""
+    for the reader, and how they were measured: the command as run, torch, Python, machine, date and commit. Written
+    by common.atomic_write: a write that fails keeps the previous result."""
     import torch
+    sys.path.insert(0, str(REPO))
+    import common
     command = "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
     result = {"name": name, "command": command, "torch": torch.__version__, "python": platform.python_version(),
               "machine": machine(), "date": datetime.date.today().isoformat(), "commit": commit(), "notes": notes,
               "tables": tables}
     path = Path(folder or RESULTS, f"{name}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    common.atomic_write(path, (json.dumps(result, indent=1) + "\n").encode())
     print(f"wrote {path}", flush=True)
     return result
 
@@ -109,7 +111,6 @@ def rendered(page):
     """The text of a page with every marked table rendered from its result file (left as it is where the file does
     not exist yet: results/suite.json, say, before the first --suite)."""
     link = "results/" if page.parent == REPO else "../results/"
-
     seen = set()
 
     def render(match):

@@ -1,7 +1,10 @@
 """results/ and the pages that show it: every table a page shows is its result file's, rendered as it is now."""
 
 import json
+import os
 import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -45,3 +48,16 @@ def test_a_table_renders_with_its_measurement(tmp_path, monkeypatch):
         "([results/demo.json](../results/demo.json)). Seeds 1-8.\n")
     assert harness.table_markdown("demo", "Speed", first=False).endswith(  # a page's next table of the same run
         "| b | 12,346 | – |\n\nThe same run ([results/demo.json](../results/demo.json)).\n")
+
+
+def test_a_result_that_cannot_be_written_keeps_the_previous_one(tmp_path, monkeypatch):
+    """The disk fills up while a benchmark writes its result: Python's error, and the previous file stays whole."""
+    harness.write_result("demo", {"Speed": {"columns": ["s"], "rows": [[1.0]]}}, folder=tmp_path)
+    before = (tmp_path / "demo.json").read_text()
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        harness.write_result("demo", {"Speed": {"columns": ["s"], "rows": [[2.0]] * 10**5}}, folder=tmp_path)
+    assert (tmp_path / "demo.json").read_text() == before and json.loads(before)["tables"]["Speed"]["rows"] == [[1.0]]
