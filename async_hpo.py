@@ -30,14 +30,12 @@ prints a line per trial event; the run ends with a table of every trial and one 
      "batch_size": ...}, "best_validation_error": ..., "trials_started": ..., "utilisation": ..., ...}
 """
 
-import ctypes
 import dataclasses
 import functools
 import io
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +52,7 @@ from syne_tune import Reporter, StoppingCriterion, Tuner
 from syne_tune.backend import LocalBackend
 from syne_tune.backend.trial_status import Status, Trial
 from syne_tune.config_space import Domain, is_log_space, lograndint, loguniform, randint, uniform
-from syne_tune.constants import ST_CONFIG_JSON_FNAME_ARG, ST_TUNER_TIME
+from syne_tune.constants import ST_CHECKPOINT_DIR, ST_CONFIG_JSON_FNAME_ARG, ST_TUNER_TIME
 from syne_tune.experiments import load_experiment
 from syne_tune.optimizer.baselines import ASHA, TPE, BOTorch, RandomSearch
 from syne_tune.optimizer.scheduler import SchedulerDecision
@@ -231,9 +229,13 @@ def tune(args, scheduler, tuner_name, callbacks=None, backend=LocalBackend, entr
           output_logger=TunerLogger(use_colors=False, use_emojis=False)).run()
 
 
+FIGURES = {"incumbent": "incumbent.png", "learning_curves": "learning_curves.png"}  # in the search's folder
+
+
 def plot_figures(results, folder):
-    """The tutorial's two figures from the results: the incumbent (the best validation error so far) and every
-    trial's learning curve, over the tuner's wall-clock time. Returns their paths."""
+    """The tutorial's two figures from the results, written into folder as FIGURES names them: the incumbent (the
+    best validation error so far) and every trial's learning curve, over the tuner's wall-clock time. Returns their
+    paths."""
     from matplotlib.figure import Figure
     incumbent = Figure(figsize=(6, 3.5)).add_subplot(xlabel="wall-clock time (s)", ylabel=f"best {METRIC}",
                                                      title="incumbent")
@@ -242,7 +244,7 @@ def plot_figures(results, folder):
                                                   title="learning curve of every trial")
     for _, trial in results.groupby("trial_id"):
         curves.plot(trial[ST_TUNER_TIME], trial[METRIC], marker="o", markersize=3)
-    paths = {"incumbent": folder / "incumbent.png", "learning_curves": folder / "learning_curves.png"}
+    paths = {name: folder / file for name, file in FIGURES.items()}
     for axes, path in zip((incumbent, curves), paths.values()):
         common.save_figure(axes.figure, path)
     return paths
@@ -341,6 +343,7 @@ class AtMost(SingleObjectiveBaseSearcher):
 # --- Beyond the tutorial: the trial process, and each local trial's GPU ---
 
 TRIAL_FLAG = f"--{ST_CONFIG_JSON_FNAME_ARG}"  # a backend starts each trial with this flag and its config file
+CHECKPOINT_FLAG = f"--{ST_CHECKPOINT_DIR}"  # and the local backend adds this one, with the trial's checkpoint folder
 TRIAL_INFO = "[trial-info]: "  # starts a line of a trial's output: JSON of where it runs
 
 
@@ -352,10 +355,14 @@ def trial_data_folder(data_folder):
 
 def trial_main(argv):
     """A trial process: die with the process that started it (the tuner, or the Ray task), take its share of the
-    cores and its device, print where it runs (a TRIAL_INFO line, which the table reads), then run the objective."""
-    config = json.loads(Path(argv[argv.index(TRIAL_FLAG) + 1]).read_text())
-    if sys.platform.startswith("linux"):  # killed outright (SIGKILL) when its parent dies, even if it is stopped
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    cores and its device, print where it runs (a TRIAL_INFO line, which the table reads), then run the objective.
+
+    Syne Tune's LocalBackend (0.16) splits the trial's command line at every space, so a configuration file whose
+    path has spaces arrives in pieces, up to the checkpoint flag that follows it: joined again here."""
+    after = argv[argv.index(TRIAL_FLAG) + 1:]
+    end = after.index(CHECKPOINT_FLAG) if CHECKPOINT_FLAG in after else len(after)
+    config = json.loads(Path(" ".join(after[:end])).read_text())
+    common.die_with_parent()
     if os.getppid() != config["parent_pid"]:  # the parent died before the line above took effect
         raise SystemExit("the process that started this trial is gone")
     torch.set_num_threads(config["threads"])
@@ -429,6 +436,14 @@ class Search(TunerCallback):
             self.end(trial_id, "cut off")  # still running when the search ended
         self.ended_at = time.time()
 
+    def failures(self):
+        """How many trials failed, and the first one's last line of error output."""
+        failed = [trial_id for trial_id, row in self.rows.items() if row["status"] == "failed"]
+        if not failed:
+            return 0, None
+        lines = [line.strip() for line in self.backend.stderr(failed[0]) if line.strip()] or ["no error output"]
+        return len(failed), f"trial {failed[0]}: {lines[-1]}"
+
 
 class AtomicResults(StoreResultsCallback):
     """Syne Tune's record of every report (results.csv.zip, which load_experiment reads), written atomically: a write
@@ -454,19 +469,23 @@ def run_search(args, config_space, backend):
     try:
         tune(args, scheduler, name, [search, AtomicResults()], backend)
     except ValueError:  # Syne Tune's way to say that more than max_failures trials failed
-        failed = sum(row["status"] == "failed" for row in search.rows.values())
+        failed, first = search.failures()
         if failed <= args.max_failures:
             raise
         sys.exit(f"{Path(sys.argv[0]).name}: error: {failed} trials failed, more than --max-failures "
-                 f"{args.max_failures}: the search stopped (the trials' logs: {search.path})")
+                 f"{args.max_failures}: the search stopped (the first, {first}; the trials' logs: {search.path})")
     return search
 
 
 def report(args, search):
-    """The tutorial's ending, the best configuration (as load_experiment reads the results back) and its two figures;
-    then the table of every trial, and the JSON line with the counts and the worker utilisation: busy trial time /
-    (n_workers x wall time)."""
+    """The tutorial's ending: the best configuration (as load_experiment reads the results back); the table of every
+    trial; the JSON line with the counts and the worker utilisation, busy trial time / (n_workers x wall time); then
+    the tutorial's two figures."""
     experiment = load_experiment(search.path.name, local_path=str(search.path.parent))
+    failed, first = search.failures()
+    if experiment.results is None and failed:
+        sys.exit(f"{Path(sys.argv[0]).name}: error: no trial reported a result, and {failed} failed (the first, "
+                 f"{first}; the trials' logs: {search.path})")
     check(experiment.results is not None, f"no trial reported a result within --max-wallclock-time "
                                           f"{args.max_wallclock_time:g}; give it more time (the trials' logs: "
                                           f"{search.path})")
@@ -483,7 +502,8 @@ def report(args, search):
         trials_stopped_early=count["stopped early"], trials_failed=count["failed"], wall_time_s=round(wall, 1),
         utilisation=round(rows["busy_s"].sum() / (args.n_workers * wall), 4), trials=list(search.rows.values()),
         experiment=search.path.name, results_dir=str(search.path.parent),
-        figures={name: str(path) for name, path in plot_figures(experiment.results, search.path).items()})
+        figures={name: str(search.path / file) for name, file in FIGURES.items()})
+    plot_figures(experiment.results, search.path)  # after the result line: a failed write loses neither it nor results
 
 
 # --- Beyond the tutorial: trials on a Ray cluster (--ray-address); Syne Tune still decides, Ray places and runs ---

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -112,6 +113,13 @@ def make_dir(flag, path):
     return path
 
 
+def check_output_file(flag, path):
+    """An output file, checked before any work: a folder of that name, or a folder for it that cannot be created, is a
+    UsageError (else the run would train to its end, then fail to write)."""
+    check(not os.path.isdir(path), f"{flag} {path}: is a folder; name a file")
+    make_dir(flag, os.path.dirname(path) or ".")
+
+
 def run_main(main):
     """Call main() and end as README's failure table says: a UsageError is one line and exit status 2; a spawned
     process killed by a signal is named in one line, exit status 1; one that exited with a status has said why itself
@@ -141,7 +149,20 @@ def run_main(main):
 # 2. Processes: what mp.spawn does not do, torchrun's environment, rendezvous
 # ---------------------------------------------------------------------------------------------------------
 
-LOST_PEER = ("peer", "tensorpipe", "imed out", "RPC ran for more than")  # in the messages of a lost or silent peer
+# What torch raises when a peer is gone or silent: a DistError (NCCL, the store), or a RuntimeError worded by gloo's
+# transport ("[.../gloo/transport/tcp/pair.cc:545] Read error ...: Connection reset by peer", "Timed out waiting"),
+# TensorPipe ("eof (this error originated at tensorpipe/transport/...)") or RPC's timeout
+LOST_PEER = re.compile(r"gloo/transport/|this error originated at tensorpipe/|RPC ran for more than set timeout")
+
+
+def lost_peer(error):
+    return isinstance(error, dist.DistError) or type(error) is RuntimeError and bool(LOST_PEER.search(str(error)))
+
+
+def die_with_parent():
+    """Have the kernel kill this process (SIGKILL) when its parent dies, even inside a C++ call or stopped (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def worker(run_worker):
@@ -149,19 +170,16 @@ def worker(run_worker):
     calls once under torchrun); when one process ends with an error, mp.spawn stops the others. This adds:
     - the process dies at once with its parent, and with Ctrl-C, even inside a C++ call (mp.spawn asks for a SIGINT
       at its parent's death, which Python acts on only between two bytecodes);
-    - torch's threads get this process's share of the cores;
-    - a peer that is gone, or silent past the timeout, ends the process in one line, exit status 1. Spawned, it waits
-      a second first: when the peer died, the launcher names it and stops this process meanwhile. Any other error
-      ends it with its traceback, exit status 1;
+    - a peer that is gone, or silent past the timeout (lost_peer: torch's own errors for it), ends the process in one
+      line, exit status 1. Spawned, it waits a second first: when the peer died, the launcher names it and stops this
+      process meanwhile. Any other error ends it with its traceback, exit status 1;
     - the process leaves without the interpreter's teardown, which destroys torch's C++ objects (a gloo group that
       DDP still holds, RPC agents' threads) in no set order and can abort the process ("FATAL: exception not
       rethrown"), even after a run that succeeded."""
     @functools.wraps(run_worker)
     def run(rank, world_size, *args):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        torch.set_num_threads(max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        die_with_parent()
         warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's RPC calls its deprecated API
         status, env = 0, torchrun_env()
         if env and env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] and env["MASTER_ADDR"] in ("localhost", "127.0.0.1"):
@@ -170,7 +188,7 @@ def worker(run_worker):
             run_worker(rank, world_size, *args)
         except Exception as error:
             status = 1
-            if isinstance(error, dist.DistError) or any(sign in str(error) for sign in LOST_PEER):
+            if lost_peer(error):
                 time.sleep(0 if env else 1)
                 print(f"process {rank} lost a peer ({brief(error)}); the run ends, or under torchrun restarts if "
                       f"--max-restarts allows", file=sys.stderr, flush=True)
@@ -301,8 +319,8 @@ def round_store(name, rank, world_size, timeout_s):
     challenges = [f"{name}/challenge/{peer}" for peer in range(1, world_size)]
     while (joined := shared.add(f"{name}/{token}/joined", 0)) < world_size - 1:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"rendezvous timed out: {world_size - 1 - joined} process(es) did not join within "
-                               f"{timeout_s:g} s; check that every machine of the run started")
+            raise dist.DistStoreError(f"rendezvous timed out: {world_size - 1 - joined} process(es) did not join "
+                                      f"within {timeout_s:g} s; check that every machine of the run started")
         shared.wait(challenges)  # this round's, or a dead round's
         answers = [f"{name}/answer/{challenge.decode()}" for challenge in shared.multi_get(challenges)]
         shared.multi_set(answers, [token] * len(answers))

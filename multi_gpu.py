@@ -28,6 +28,7 @@ Rank 0 prints one line per epoch, then the result as one JSON line:
 import dataclasses
 import datetime
 import math
+import os
 import time
 from pathlib import Path
 from typing import Literal, Optional
@@ -295,6 +296,12 @@ class DDPReplica(Replica):
 # Beyond the tutorial: larger batches for more devices (the chapter's exercises 1 and 2)
 # ---------------------------------------------------------------------------------------------------------
 
+def scaled_lr(args):
+    """The rate after the warm-up: --lr scaled to the global batch as --lr-scaling says (see learning_rate)."""
+    growth = args.batch_size / args.lr_base_batch
+    return args.lr * {"none": 1.0, "linear": growth, "sqrt": math.sqrt(growth)}[args.lr_scaling]
+
+
 def learning_rate(args, step, steps_per_epoch):
     """The learning rate of the run's step `step` (counted from its first epoch): --lr, unless --lr-scaling.
 
@@ -309,8 +316,7 @@ def learning_rate(args, step, steps_per_epoch):
     after --warmup-epochs epochs (they use 5). `sqrt` multiplies by sqrt(b/n) instead, which keeps the covariance
     of the updates' noise the same (Hoffer et al. 2017, "Train longer, generalize better", arXiv:1705.08741).
     """
-    growth = args.batch_size / args.lr_base_batch
-    scaled = args.lr * {"none": 1.0, "linear": growth, "sqrt": math.sqrt(growth)}[args.lr_scaling]
+    scaled = scaled_lr(args)
     warmup_steps = (args.warmup_epochs or 0) * steps_per_epoch
     return scaled if step >= warmup_steps else args.lr + (scaled - args.lr) * step / warmup_steps
 
@@ -405,6 +411,8 @@ def validate(args):
     common.check(not args.resume or args.checkpoint_dir, "--resume needs --checkpoint-dir DIR, where the checkpoint is")
     common.check(not args.plot or Path(args.plot).suffix.lower() in (".png", ".pdf", ".svg"),
                  f"--plot {args.plot}: name a .png, .pdf or .svg file")
+    if args.plot and (not torchrun or torchrun["RANK"] == 0):  # rank 0 draws it
+        common.check_output_file("--plot", args.plot)
     if not args.checkpoint_dir or torchrun and torchrun["RANK"] != 0:  # rank 0 alone writes and reads checkpoints
         return None
     common.make_dir("--checkpoint-dir", args.checkpoint_dir)
@@ -417,6 +425,8 @@ def run_worker(rank, world_size, store, args, data_folder, saved):
     train; rank 0 alone checkpoints after each epoch, then prints the JSON line and plots. Each process reads the
     data itself, already checked by main: sent with mp.spawn, they would travel through /dev/shm, which a container
     may keep too small for them."""
+    # this process's share of the machine's cores for torch's threads
+    torch.set_num_threads(max(1, common.usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     device = common.pick_device(args.gpus > 0, common.local_rank(rank))
     common.set_tf32(device, args.tf32)
     # the device's backend: gloo on CPUs, NCCL on CUDA, XCCL on XPU; a collective fails after --timeout, not hangs
@@ -448,7 +458,7 @@ def run_worker(rank, world_size, store, args, data_folder, saved):
     median = sorted(seconds)[len(seconds) // 2] if seconds else None
     if rank == 0:
         common.emit_result("multi_gpu", allreduce=args.allreduce, world_size=world_size, device=device.type,
-                           batch_size=args.batch_size, lr=learning_rate(args, math.inf, 1), epochs=len(history),
+                           batch_size=args.batch_size, lr=scaled_lr(args), epochs=len(history),
                            **{key: history[-1][key] for key in ("loss", "train_acc", "test_acc")}, s_per_epoch=median,
                            samples_per_s=len(data[0]) / median if median else None, history=history)
         if args.plot:  # after the JSON line: a plot that cannot be written loses neither it nor a checkpoint

@@ -76,8 +76,9 @@ class Args:
     envs_per_observer: Positive = 1
     """environments each observer steps together, with one RPC per step for all of them"""
     truncation: Optional[Literal["bootstrap", "terminal"]] = None
-    """returns of an episode that the 500-step limit cut short: bootstrapped, or ended there as after a failure
-    (the tutorial's way); not given: bootstrap, and terminal with --tutorial"""
+    """returns of an episode that the 500-step limit cut short: bootstrapped with the last reward repeated forever
+    (right for CartPole's constant reward only: change it for an environment whose rewards vary), or ended there as
+    after a failure (the tutorial's way); not given: bootstrap, and terminal with --tutorial"""
     eval_episodes: NonNegative = 0
     """after training, play this many greedy episodes (the most probable action, no dropout)"""
     # Output and checkpoints
@@ -239,7 +240,8 @@ class Agent:
         self.running_reward = 0.05 * min(episode_rewards) + (1 - 0.05) * self.running_reward
 
     def report(self, solved, wall_time, steps, **figures):
-        """The run's last line, one JSON object: times cover this process's training loop, counts the whole run."""
+        """Print the run's last line, one JSON object: times cover this process's training loop, counts the whole
+        run."""
         common.emit_result("rpc_rl", solved=solved, episodes=len(self.episode_rewards), env_steps=env_steps(self),
                            wall_time_s=round(wall_time, 3), steps_per_s=round(steps / wall_time, 1), **figures,
                            running_reward=round(self.running_reward, 3), episode_rewards=self.episode_rewards)
@@ -247,7 +249,8 @@ class Agent:
 
 def run_agent(agent, args):
     """The agent's loop: an episode on every observer, an update, a log line every --log-interval episodes, until
-    the running reward passes the threshold or --max-episodes; then the result line."""
+    the running reward passes the threshold or --max-episodes. Returns whether it solved CartPole, the loop's
+    seconds and its environment steps."""
     start, first = time.perf_counter(), len(agent.episode_rewards)  # a resumed run starts after `first` episodes
     solved = agent.running_reward > agent.reward_threshold
     while not solved and len(agent.episode_rewards) < args.max_episodes:
@@ -260,11 +263,11 @@ def run_agent(agent, args):
         if solved:
             print(f"solved: running reward {agent.running_reward:.1f} > {agent.reward_threshold:g} after {i_episode} "
                   f"episodes", flush=True)
-    agent.report(solved, time.perf_counter() - start, env_steps(agent, first))
+    return solved, time.perf_counter() - start, env_steps(agent, first)
 
 
 # --- Beyond the tutorial: K environments per observer, one RPC per step, one forward for all observers; checkpoints
-# that resume exactly, --save, greedy evaluation, the result line ---
+# that resume exactly, the greedy evaluation ---
 
 class BatchObserver(Observer):
     """Lives in an observer process: K CartPole environments (--envs-per-observer), played together."""
@@ -326,8 +329,7 @@ def read_checkpoint(args):
 class BatchAgent(Agent):
     """Lives in the agent process: the tutorial's Agent, answering every observer of a step with one forward of the
     policy, sampled as the tutorial samples; rewards and log-probabilities are kept per environment, (observer id,
-    environment index). It continues from a checkpoint (--resume), writes checkpoints, and ends with --save, the
-    greedy evaluation and the result line."""
+    environment index). It continues from a checkpoint (--resume) and writes checkpoints."""
 
     def __init__(self, world_size, args, saved=None):
         super().__init__(world_size, args, saved, BatchObserver)
@@ -401,7 +403,9 @@ class BatchAgent(Agent):
         policy that its last actions, which kept the pole up, were its worst, and once it balances for a whole
         episode, every update pushes it away from what it does. REINFORCE has no value function to bootstrap from:
         the sum goes on with the last reward forever, r / (1 - gamma), so that a policy that balances to the limit
-        sees equal returns at every step, hence no update."""
+        sees equal returns at every step, hence no update. That is the value of the episode's future only where every
+        step pays the same reward, as CartPole's +1 does: for an environment whose rewards vary, bootstrap from a
+        learned value function instead (actor-critic), or pass --truncation terminal."""
         bootstrap = self.truncated[env] and self.args.truncation == "bootstrap"
         return super().discounted_returns(env, self.rewards[env][-1] / (1 - self.args.gamma) if bootstrap else 0.0)
 
@@ -411,25 +415,23 @@ class BatchAgent(Agent):
         for index in range(self.args.envs_per_observer):
             super().update_running_reward(episode_rewards[index::self.args.envs_per_observer])
 
-    @torch.no_grad()
-    def report(self, solved, wall_time, steps):
-        """--save, then the greedy evaluation: --eval-episodes episodes with the most probable action and no dropout,
-        on an environment of the agent's own, seeded with --seed as no observer's is (gymnasium's
-        RecordEpisodeStatistics sums their rewards); then the result line."""
-        if self.args.save:
-            common.save_checkpoint(self.args.save, "rpc_rl", {"policy": self.policy.state_dict()})
-        env = gym.wrappers.RecordEpisodeStatistics(gym.make(ENV_ID), buffer_length=self.args.eval_episodes)
-        self.policy.eval()
-        for episode in range(self.args.eval_episodes):
-            state, _ = env.reset(seed=self.args.seed if episode == 0 else None)
-            terminated = truncated = False
-            while not (terminated or truncated):  # CartPole-v1's time limit ends every episode
-                action = self.policy(torch.from_numpy(state)[None]).argmax().item()
-                state, _, terminated, truncated, _ = env.step(action)
-        if env.return_queue:
-            print(f"greedy evaluation: mean reward {np.mean(env.return_queue):.1f} over {len(env.return_queue)} "
-                  f"episodes", flush=True)
-        super().report(solved, wall_time, steps, eval_rewards=list(env.return_queue))
+
+@torch.no_grad()
+def greedy_evaluation(policy, args):
+    """--eval-episodes episodes with the most probable action and no dropout, on an environment of the agent's own,
+    seeded with --seed as no observer's is (gymnasium's RecordEpisodeStatistics sums their rewards): their rewards."""
+    env = gym.wrappers.RecordEpisodeStatistics(gym.make(ENV_ID), buffer_length=args.eval_episodes)
+    policy.eval()
+    for episode in range(args.eval_episodes):
+        state, _ = env.reset(seed=args.seed if episode == 0 else None)
+        terminated = truncated = False
+        while not (terminated or truncated):  # CartPole-v1's time limit ends every episode
+            action = policy(torch.from_numpy(state)[None]).argmax().item()
+            state, _, terminated, truncated, _ = env.step(action)
+    if env.return_queue:
+        print(f"greedy evaluation: mean reward {np.mean(env.return_queue):.1f} over {len(env.return_queue)} "
+              f"episodes", flush=True)
+    return list(env.return_queue)
 
 
 # --- The processes: the agent and its observers, started by mp.spawn or torchrun ---
@@ -437,7 +439,8 @@ class BatchAgent(Agent):
 @common.worker
 def run_worker(rank, world_size, store, args, agent_class, saved):
     """Every process: rank 0 is the agent and trains (the tutorial's agent_class, Agent, or the BatchAgent that
-    builds on it); the others serve the agent's RPCs as observers. One thread per process: the policy is tiny."""
+    builds on it), then evaluates the policy, prints the result line and writes --save; the others serve the agent's
+    RPCs as observers. One thread per process: the policy is tiny."""
     torch.set_num_threads(1)
     # an RPC to a peer that is gone or silent fails after --rpc-timeout instead of hanging
     options = rpc.TensorPipeRpcBackendOptions(init_method=common.init_method(store, "rpc"),
@@ -445,7 +448,11 @@ def run_worker(rank, world_size, store, args, agent_class, saved):
     rpc.init_rpc(AGENT_NAME if rank == 0 else OBSERVER_NAME.format(rank), rank=rank, world_size=world_size,
                  rpc_backend_options=options)
     if rank == 0:
-        run_agent(agent_class(world_size, args, saved), args)
+        agent = agent_class(world_size, args, saved)
+        solved, wall_time, steps = run_agent(agent, args)
+        agent.report(solved, wall_time, steps, eval_rewards=greedy_evaluation(agent.policy, args))
+        if args.save:  # after the result line: a write that fails loses neither it nor a checkpoint
+            common.save_checkpoint(args.save, "rpc_rl", {"policy": agent.policy.state_dict()})
         common.FINISHED.set()
     else:  # observers passively waiting for instructions from the agent, which they ask whether it is done
         common.serve(AGENT_NAME, args.rpc_timeout)
@@ -459,7 +466,11 @@ def main(argv=None):
     args = common.parse_args(Args, argv)
     validate(args)
     torchrun = common.torchrun_env()
-    saved = read_checkpoint(args) if not torchrun or torchrun["RANK"] == 0 else None
+    saved = None
+    if not torchrun or torchrun["RANK"] == 0:  # the agent's process
+        if args.save:
+            common.check_output_file("--save", args.save)
+        saved = read_checkpoint(args)
     agent_class = Agent if args.tutorial else BatchAgent
     if torchrun:  # started by torchrun (RANK set): this process's part
         return run_worker(torchrun["RANK"], torchrun["WORLD_SIZE"], "env://", args, agent_class, saved)

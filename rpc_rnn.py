@@ -114,7 +114,7 @@ class Args:
     loss is computed on the ps)"""
     check_gradients: bool = False
     """run the first --max-batches batches (2 if not given) both distributed and in one process, report the largest
-    differences of loss, clipped gradients and updated weights, then exit; needs --dropout 0"""
+    differences of loss, gradient norm and updated weights, then exit; needs --dropout 0"""
 
 
 def validate(args):
@@ -136,16 +136,21 @@ def validate(args):
 # The tutorial's model: the embedding table and the decoder live on the ps, the LSTM on the trainer
 # ---------------------------------------------------------------------------------------------------------
 
-def settle(module):
-    """Wait until the GPU work queued on the module's device has finished, whatever stream it was queued on.
+def module_of(piece):
+    """A piece of the model: a module, or an RRef to one that this process owns."""
+    return piece if isinstance(piece, nn.Module) else piece.local_value()
+
+
+def settle(*pieces):
+    """Wait until the GPU work queued on the pieces' devices has finished, whatever stream it was queued on.
 
     TensorPipe runs every RPC on CUDA streams of its own, drawn from a pool (pytorch/pytorch#57960), and orders only
     the tensors a call receives or returns. A call that writes tensors it does not return (building a piece, clipping
     gradients, loading weights, DistributedOptimizer.step, which synchronises nothing) could otherwise return before
     its writes are done, and a call that reads what another call wrote (the gradients backward left in the autograd
-    context, the weights a step updated) could read them early. Such calls settle the device they touch (run_on):
-    writers last, readers of others' writes first. Nothing to do on the CPU."""
-    for device in {param.device for param in module.parameters() if param.is_cuda}:
+    context, the weights a step updated) could read them early. Such calls settle the devices they touch: writers
+    last, readers of others' writes first. Nothing to do on the CPU."""
+    for device in {param.device for piece in pieces for param in module_of(piece).parameters() if param.is_cuda}:
         torch.cuda.synchronize(device)
 
 
@@ -173,11 +178,10 @@ class EmbeddingTable(nn.Module):
     def __init__(self, ntoken, ninp, dropout, seed, device="cpu"):
         super().__init__()
         self.drop = nn.Dropout(dropout)
-        # The ps builds this and the Decoder at the same time, in two RPC threads: drawn from the global RNG, their
-        # weights would depend on how the threads interleave. A generator of their own, and no default init
-        # (skip_init), keep them reproducible and leave the global RNG to dropout.
-        self.encoder = nn.utils.skip_init(nn.Embedding, ntoken, ninp)
-        self.encoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
+        self.encoder = nn.Embedding(ntoken, ninp)
+        # word_language_model's init, from a generator of its own: the ps builds this and the Decoder at once, in two
+        # RPC threads, whose draws from one global generator would interleave differently on every run
+        nn.init.uniform_(self.encoder.weight, -0.1, 0.1, generator=torch.Generator().manual_seed(seed))
         settle(self.to(device))  # built in an RPC handler
 
     def forward(self, input):
@@ -190,9 +194,9 @@ class Decoder(nn.Module):
     def __init__(self, ntoken, nhid, dropout, seed, device="cpu"):
         super().__init__()
         self.drop = nn.Dropout(dropout)
-        self.decoder = nn.utils.skip_init(nn.Linear, nhid, ntoken)  # see EmbeddingTable
-        self.decoder.weight.data.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))
-        self.decoder.bias.data.zero_()
+        self.decoder = nn.Linear(nhid, ntoken)
+        nn.init.uniform_(self.decoder.weight, -0.1, 0.1, generator=torch.Generator().manual_seed(seed))  # (see above)
+        nn.init.zeros_(self.decoder.bias)
         settle(self.to(device))
 
     def forward(self, output):
@@ -204,11 +208,10 @@ class Decoder(nn.Module):
 
 
 def make_lstm(ninp, nhid, nlayers, dropout, seed):
-    """The LSTM, initialised from a seed of its own, so that the trainer and a one-process model built with the
-    same seed hold the same weights. Built by one thread at a time, so saving and restoring the global RNG is safe."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
+    """The LSTM, initialised from its own seed: the trainer and a one-process model built with the same seed hold the
+    same weights. (The global generator it reseeds is seeded again for dropout by seed_epoch.)"""
+    torch.manual_seed(seed)
+    return nn.LSTM(ninp, nhid, nlayers, dropout=dropout if nlayers > 1 else 0.0)
 
 
 class RNNModel(nn.Module):
@@ -342,81 +345,83 @@ def windows(data, bptt, count=None):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Beyond the tutorial: the pieces where they live, and clipping on the global norm over both processes
+# Beyond the tutorial: clipping on the global norm over both processes; the weights of both under one model's names
 # ---------------------------------------------------------------------------------------------------------
 
-PIECES = {EmbeddingTable: "embedding", nn.LSTM: "rnn", Decoder: "decoder"}  # the pieces' names in LocalRNNModel
-
-
-def run_on(pieces, function, *args):
-    """function(module, *args) for each of the pieces (modules, or RRefs to modules this process owns), here, each
-    module's device settled before and after (it may read what another call wrote, or write what it does not
-    return); what they return, {key: tensor} or None, merged under LocalRNNModel's names."""
-    results = {}
-    for piece in pieces:
-        module = piece if isinstance(piece, nn.Module) else piece.local_value()
-        settle(module)
-        name = PIECES[type(module)]
-        results.update({f"{name}.{key}": value for key, value in (function(module, *args) or {}).items()})
-        settle(module)
-    return results
-
-
-def on_pieces(model, function, *args):
-    """run_on every piece where it lives: ONE RPC for the ps's two, then the LSTM here; the results in LocalRNNModel's
-    order of pieces (embedding, rnn, decoder)."""
-    merged = {**rpc.rpc_sync(PS_NAME, run_on, args=([model.emb_table_rref, model.decoder_rref], function, *args)),
-              **run_on([model.rnn], function, *args)}
-    return dict(sorted(merged.items(), key=lambda item: list(PIECES.values()).index(item[0].split(".")[0])))
-
-
-def context_grads(module, context_id):
-    """Make the module's gradients in the context its parameters' .grad, and return the norm of each, on the CPU, by
-    name. get_gradients hands out the context's own tensors, the ones DistributedOptimizer.step reads: scaling them
-    in place (clip_grads) is what makes the clipping reach the step."""
+def context_grads(context_id, *pieces):
+    """The gradients of the pieces' parameters in the distributed autograd context: the context's own tensors, which
+    DistributedOptimizer.step reads, so that scaling them in place reaches the step."""
+    settle(*pieces)  # backward wrote them
     grads = dist_autograd.get_gradients(context_id)
-    for param in module.parameters():
-        param.grad = grads[param]
-    return {name: torch.linalg.vector_norm(param.grad).cpu() for name, param in module.named_parameters()}
+    return [grads[param] for piece in pieces for param in module_of(piece).parameters()]
 
 
-def clip_grads(module, max_norm, total_norm):
-    """Scale the module's gradients (context_grads made them the context's) in place, as clip_grad_norm_ does."""
-    nn.utils.clip_grads_with_norm_(module.parameters(), max_norm, total_norm)
+def squared_norm(context_id, *pieces):
+    return sum(torch.linalg.vector_norm(grad) ** 2 for grad in context_grads(context_id, *pieces)).item()
+
+
+def scale_grads(context_id, factor, *pieces):
+    for grad in context_grads(context_id, *pieces):
+        grad.mul_(factor)
+    settle(*pieces)  # the step reads them
 
 
 class ClippedOptimizer(DistributedOptimizer):
-    """torch's DistributedOptimizer (SGD on each owner of parameters, PlainSGD) that first clips the gradients of
-    the context on their global norm over both processes, and on GPUs after the step waits until its writes are done
-    (see settle): the next window reads the weights it wrote. Three RPCs to the ps a step on CPUs, four on GPUs."""
+    """torch's DistributedOptimizer (SGD on each owner of parameters, PlainSGD) that first clips the gradients of the
+    context on their global norm over both processes, as clip_grad_norm_ does in one process (up to rounding: the
+    norm is summed in another order). One RPC brings the ps's squared norm, one scales its gradients where the norm
+    exceeds --clip; on GPUs, one after the step waits until its writes are done (see settle)."""
 
     def __init__(self, model, lr, max_norm):
         super().__init__(PlainSGD, model.parameter_rrefs(), lr=lr)
-        self.model, self.max_norm, self.norms = model, max_norm, []
-        self.on_gpus = next(model.rnn.parameters()).is_cuda
+        self.ps_pieces, self.rnn = (model.emb_table_rref, model.decoder_rref), model.rnn
+        self.max_norm, self.norms = max_norm, []
 
     def step(self, context_id):
-        """torch.nn.utils.clip_grad_norm_ over the gradients of the context, on both processes, to the bit: each
-        piece's owner returns the norm of each of its gradients; the trainer takes the norm of these norms in the
-        parameters' order (get_total_norm, as clip_grad_norm_ does) and keeps it in `norms`; each owner scales its
-        gradients in place by torch's clip_grads_with_norm_. Then the step."""
-        total_norm = nn.utils.get_total_norm(on_pieces(self.model, context_grads, context_id).values())
-        on_pieces(self.model, clip_grads, self.max_norm, total_norm)
-        self.norms.append(total_norm.item())
+        total_norm = math.sqrt(rpc.rpc_sync(PS_NAME, squared_norm, args=(context_id, *self.ps_pieces))
+                               + squared_norm(context_id, self.rnn))
+        self.norms.append(total_norm)
+        factor = self.max_norm / (total_norm + 1e-6)  # clip_grad_norm_'s
+        if factor < 1:
+            rpc.rpc_sync(PS_NAME, scale_grads, args=(context_id, factor, *self.ps_pieces))
+            scale_grads(context_id, factor, self.rnn)
         super().step(context_id)
-        if self.on_gpus:
-            on_pieces(self.model, settle)
+        if next(self.rnn.parameters()).is_cuda:  # the next window reads the weights the step wrote
+            rpc.rpc_sync(PS_NAME, settle, args=self.ps_pieces)
+            settle(self.rnn)
+
+
+PIECES = ("embedding", "rnn", "decoder")  # LocalRNNModel's names of the RNNModel's pieces
+
+
+def on_piece(piece, function, *args):
+    """function(module, *args) where the piece lives: here for the LSTM, by RPC on the ps for an RRef."""
+    return function(piece, *args) if isinstance(piece, nn.Module) else _remote_method(function, piece, *args)
 
 
 def cpu_state_dict(module):
     """Copies of a module's weights on the CPU (a kept best state must not follow the live weights)."""
+    settle(module)
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
 
-def load_own(module, state):
-    """module.load_state_dict with its own entries of a state under LocalRNNModel's names."""
-    prefix = PIECES[type(module)] + "."
-    module.load_state_dict({key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)})
+def load_weights(module, state):
+    module.load_state_dict(state)
+    settle(module)
+
+
+def model_state(model):
+    """The weights of the RNNModel's three pieces, on the CPU, under LocalRNNModel's names."""
+    pieces = (model.emb_table_rref, model.rnn, model.decoder_rref)
+    return {f"{name}.{key}": value for name, piece in zip(PIECES, pieces)
+            for key, value in on_piece(piece, cpu_state_dict).items()}
+
+
+def load_model_state(model, state):
+    """Load weights under LocalRNNModel's names into the RNNModel's pieces, where each lives."""
+    for name, piece in zip(PIECES, (model.emb_table_rref, model.rnn, model.decoder_rref)):
+        on_piece(piece, load_weights, {key[len(name) + 1:]: value for key, value in state.items()
+                                       if key.startswith(name + ".")})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -440,11 +445,6 @@ class LocalRNNModel(nn.Module):
     def loss(self, input, targets, hidden):
         output, hidden = self.rnn(self.embedding(input), hidden)
         return self.decoder.loss(output, targets), hidden
-
-
-def cpu_grads(module):
-    """The module's gradients, on the CPU: after a ClippedOptimizer step, the clipped ones it stepped with."""
-    return {name: param.grad.cpu() for name, param in module.named_parameters()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -520,7 +520,7 @@ def run_trainer(args, corpus, model, device, saved):
     # has every batch's, and `tokens` were trained on in `seconds` of training.
     run = SimpleNamespace(lr=args.lr, epoch=1, best_valid=math.inf, best_state=None, losses=[], tokens=0, seconds=0.0)
     if saved:  # the weights of both processes back, and the run where the checkpoint was taken
-        on_pieces(model, load_own, saved["model"])
+        load_model_state(model, saved["model"])
         print(f"resuming at epoch {saved['run']['epoch']} from {Path(args.checkpoint_dir, CHECKPOINT)}", flush=True)
         run = SimpleNamespace(**saved["run"])
     while run.epoch <= args.epochs:
@@ -545,7 +545,7 @@ def run_trainer(args, corpus, model, device, saved):
         print(f"epoch {run.epoch} | valid loss {valid_loss:.2f} | valid ppl {perplexity(valid_loss):.1f} | "
               f"{since - epoch_start:.1f} s/epoch", flush=True)
         if valid_loss < run.best_valid:
-            run.best_valid, run.best_state = valid_loss, on_pieces(model, cpu_state_dict)
+            run.best_valid, run.best_state = valid_loss, model_state(model)
             if args.save:
                 save_model(args.save, args, corpus.words, model=run.best_state, valid_loss=valid_loss)
         else:
@@ -553,9 +553,9 @@ def run_trainer(args, corpus, model, device, saved):
         run.epoch += 1
         if args.checkpoint_dir:  # the whole run, from both processes: the weights and where the run stands
             save_model(Path(args.checkpoint_dir, CHECKPOINT), args, corpus.words,
-                       model=on_pieces(model, cpu_state_dict), recipe=recipe(args), run=vars(run))
+                       model=model_state(model), recipe=recipe(args), run=vars(run))
     if run.best_state is not None:
-        on_pieces(model, load_own, run.best_state)  # test the weights that were kept, as word_language_model does
+        load_model_state(model, run.best_state)  # test the weights that were kept, as word_language_model does
     test_loss = evaluate(model, test_data, args.bptt)
     print(f"test loss {test_loss:.2f} | test ppl {perplexity(test_loss):.1f}", flush=True)
     common.emit_result(SCRIPT, mode="ship-logits" if args.ship_logits else "loss-on-ps", ntoken=len(corpus.words),
@@ -567,26 +567,26 @@ def run_trainer(args, corpus, model, device, saved):
 
 def compare_gradients(args, corpus, model, device, saved=None):
     """--check-gradients: the same weights and batches in one process and through the tutorial's loop over RPC
-    (train_batches, with the recipe's ClippedOptimizer); reports the largest differences of loss, clipped gradients
-    and updated weights. Needs --dropout 0: the two runs draw their dropout masks differently."""
+    (train_batches, with the recipe's ClippedOptimizer); reports the largest differences of loss, gradient norm
+    (before clipping) and weights after each step. Needs --dropout 0: the two runs draw their dropout masks
+    differently."""
     local = LocalRNNModel(len(corpus.words), args.emsize, args.nhid, args.nlayers, args.dropout, args.seed)
     local_opt, opt = PlainSGD(local.parameters(), lr=args.lr), ClippedOptimizer(model, args.lr, args.clip)
     batches = windows(batchify(corpus.train, args.batch_size, device), args.bptt, args.max_batches or 2)
     hidden, local_hidden = init_hidden(model.rnn, args.batch_size, device), init_hidden(local.rnn, args.batch_size)
-    worst = [0.0, 0.0, 0.0]  # the largest differences of loss, gradients and weights
+    worst = [0.0, 0.0, 0.0]  # the largest differences of loss, gradient norm and weights
     # Each window's distributed step (the generator runs one at a time), then the same window in one process
     for (input, targets), loss in zip(batches, train_batches(model, opt, batches, hidden)):
-        grads, weights = on_pieces(model, cpu_grads), on_pieces(model, cpu_state_dict)
+        weights = model_state(model)
         local_opt.zero_grad()
         local_loss, local_hidden = local.loss(input.cpu(), targets.cpu(), detach_hidden(local_hidden))
         local_loss.backward()
-        nn.utils.clip_grad_norm_(local.parameters(), args.clip)
+        local_norm = nn.utils.clip_grad_norm_(local.parameters(), args.clip).item()
         local_opt.step()
-        worst = [max(worst[0], abs(loss - local_loss.item())),
-                 max([worst[1]] + [(grads[name] - p.grad).abs().max().item() for name, p in local.named_parameters()]),
+        worst = [max(worst[0], abs(loss - local_loss.item())), max(worst[1], abs(opt.norms[-1] - local_norm)),
                  max([worst[2]] + [(weights[name] - p).abs().max().item() for name, p in local.named_parameters()])]
     common.emit_result(SCRIPT, mode="check-gradients", batches=len(opt.norms), grad_norms=opt.norms, clip=args.clip,
-                       compared=len(grads), loss_diff=worst[0], max_grad_diff=worst[1], max_param_diff=worst[2])
+                       compared=len(weights), loss_diff=worst[0], norm_diff=worst[1], max_param_diff=worst[2])
 
 
 @torch.no_grad()
@@ -615,6 +615,8 @@ def load_run(args):
     been written for this text."""
     if args.checkpoint_dir:  # (the trainer writes them)
         common.make_dir("--checkpoint-dir", args.checkpoint_dir)
+    if args.save:
+        common.check_output_file("--save", args.save)
     saved = read_checkpoint(args) if args.resume else None
     corpus = Corpus(wikitext2_dir(args.data_dir))
     for split, size in (("train", args.batch_size), ("valid", EVAL_BATCH_SIZE), ("test", EVAL_BATCH_SIZE)):

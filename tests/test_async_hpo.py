@@ -239,9 +239,35 @@ def test_too_many_crashes_stop_the_search_with_a_clear_error(tmp_path, data_dir_
         code, out, err = finish(proc, 120)
     assert code == 1 and "Traceback" not in err, (code, err)
     assert err.strip().splitlines()[-1] == (f"async_hpo.py: error: 1 trials failed, more than --max-failures 0: the "
-                                            f"search stopped (the trials' logs: {next(tmp_path.glob('*/0')).parent})")
+                                            f"search stopped (the first, trial 0: no error output; the trials' logs: "
+                                            f"{next(tmp_path.glob('*/0')).parent})")
     assert "Trial 0 failed" in out and "STDERR:" in out  # Syne Tune shows its log
     assert not trial_processes(tmp_path)
+
+
+def test_a_results_folder_with_spaces_and_accents_works_and_failed_trials_say_why(tmp_path, data_dir_args):
+    """--results-dir as users type it: a space (Syne Tune's local backend splits its trial command at spaces) and
+    non-ASCII letters. The trial completes. Then the same folder with data that every trial fails to read: the error
+    says the trials failed and shows the first one's last line, not "give it more time"."""
+    results = tmp_path / "my results é"
+    code, out, err = finish(start_search(*data_dir_args, *QUICK, "--max-epochs", "1", "--max-trials", "1",
+                                         "--results-dir", results), 240)
+    assert code == 0, err
+    result = last_json(out)
+    assert [row["status"] for row in result["trials"]] == ["completed"] and result["results_dir"] == str(results)
+    data = Path(data_dir_args[1])
+    data = data if (data / "train-images-idx3-ubyte.gz").exists() else data / "fashion-mnist"
+    broken = tmp_path / "broken data ü"
+    shutil.copytree(data, broken)
+    proc = start_search("--data-dir", broken, *QUICK, "--max-epochs", "1", "--max-trials", "2", "--results-dir",
+                        results)
+    # the tuner checks the data before any trial starts; the trials read them again, after they are gone
+    wait_for(lambda: list(results.glob("*-*-*/0/config.json")) or None, 120, "trial 0 to be scheduled")
+    shutil.rmtree(broken)
+    code, out, err = finish(proc, 240)
+    assert code == 1 and "Traceback" not in err.strip().splitlines()[-1], err
+    assert re.fullmatch(r"async_hpo\.py: error: no trial reported a result, and 2 failed \(the first, trial 0: "
+                        r"FileNotFoundError: .*; the trials' logs: .*\)", err.strip().splitlines()[-1]), err
 
 
 def test_the_budget_still_ends_a_search_with_max_trials(tmp_path, data_dir_args):

@@ -25,16 +25,12 @@ from conftest import (
     REPO,
     as_a_shells_job,
     assert_all_ended,
-    data_root,
+    data_folder,
     kill_all,
     spawned_workers,
     start_script,
     wait_for_line,
 )
-
-FASHION = data_root() / "fashion-mnist" if data_root() else None
-WIKITEXT = data_root() / "wikitext-2" if data_root() else None
-needs_data = pytest.mark.skipif(FASHION is None, reason="needs ../shared/data or DATA_DIR")
 
 
 @pytest.fixture
@@ -58,10 +54,10 @@ def serve(monkeypatch):
         server.shutdown()
 
 
-@needs_data
 def test_fashion_mnist_downloads_verifies_and_loads(serve, tmp_path):
     target = tmp_path / "data"
-    folder = common.fashion_mnist_dir(target, mirrors=["http://127.0.0.1:9/", serve(FASHION)])  # first mirror is down
+    down = "http://127.0.0.1:9/"  # the first mirror is down
+    folder = common.fashion_mnist_dir(target, mirrors=[down, serve(data_folder("fashion-mnist"))])
     assert folder == target
     assert sorted(p.name for p in target.iterdir()) == sorted(common.FASHION_MNIST_FILES)  # no temporary files left
     train_x, train_y, test_x, test_y = common.load_fashion_mnist(folder)
@@ -73,7 +69,6 @@ def test_fashion_mnist_downloads_verifies_and_loads(serve, tmp_path):
     assert common.fashion_mnist_dir(target, mirrors=[]) == target
 
 
-@needs_data
 def test_a_download_with_the_wrong_checksum_is_refused_and_not_kept(serve, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -83,8 +78,8 @@ def test_a_download_with_the_wrong_checksum_is_refused_and_not_kept(serve, tmp_p
     with pytest.raises(common.UsageError, match="wrong checksum"):
         rpc_rnn.wikitext2_dir(target, mirrors=[serve(bad)])
     assert not target.exists()  # nothing written, not even the folder
-    assert rpc_rnn.wikitext2_dir(target, mirrors=[serve(WIKITEXT)]) == target
-    assert (target / "valid.txt").read_bytes() == (WIKITEXT / "valid.txt").read_bytes()
+    assert rpc_rnn.wikitext2_dir(target, mirrors=[serve(data_folder("wikitext-2"))]) == target
+    assert (target / "valid.txt").read_bytes() == (data_folder("wikitext-2") / "valid.txt").read_bytes()
 
 
 def test_no_network_and_no_data_says_which_files_and_which_flag(tmp_path, monkeypatch):
@@ -94,10 +89,9 @@ def test_no_network_and_no_data_says_which_files_and_which_flag(tmp_path, monkey
         rpc_rnn.wikitext2_dir(tmp_path / "nothing", mirrors=["http://127.0.0.1:9/"])
 
 
-@needs_data
 def test_corrupt_data_is_detected_before_the_run(tmp_path):
     for name in common.FASHION_MNIST_FILES:
-        (tmp_path / name).write_bytes((FASHION / name).read_bytes())
+        (tmp_path / name).write_bytes((data_folder("fashion-mnist") / name).read_bytes())
     import gzip
     (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"\0" * 10008))
     with pytest.raises(common.UsageError, match="t10k-labels-idx1-ubyte.gz is corrupt"):
@@ -356,6 +350,52 @@ def test_a_lost_peer_is_one_line_that_ends_torchs_reason_at_its_first_sentence(t
     assert proc.stderr == ("process 0 lost a peer ([/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:"
                            "537] Read error [127.0.0.1]:13191: Connection reset by peer); the run ends, or under "
                            "torchrun restarts if --max-restarts allows\n")
+
+
+KILLED_PEER = textwrap.dedent("""
+    import datetime, os, signal, sys, tempfile, time
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    sys.path.insert(0, {repo!r})
+    import common
+
+    def join(rank, store):
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        dist.barrier()
+
+    def peer(store):
+        join(1, store)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    @common.worker
+    def run_worker(rank, world_size, store):
+        join(rank, store)
+        while True:
+            dist.all_reduce(torch.ones(10))
+            time.sleep(0.01)
+
+    if __name__ == "__main__":
+        store = f"file://{{tempfile.mkdtemp()}}/store"
+        mp.get_context("spawn").Process(target=peer, args=(store,)).start()
+        run_worker(0, 2, store)
+""")
+
+
+def test_a_killed_peer_is_one_line_and_an_error_of_the_workers_own_that_mentions_one_keeps_its_traceback(tmp_path):
+    """What gloo raises when the peer of a collective is killed ends the process in one line, exit status 1; a
+    RuntimeError of the worker's own code whose words say "timed out" and "peer" is not a lost peer: its traceback."""
+    script = tmp_path / "killed_peer.py"
+    script.write_text(KILLED_PEER.format(repo=str(REPO)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert re.fullmatch(r"process 0 lost a peer \(\[.*gloo/transport/tcp/.*\); the run ends, or under torchrun "
+                        r"restarts if --max-restarts allows\n", proc.stderr), proc.stderr
+    own = "the data loader timed out waiting for its peer, tensorpipe said: RPC ran for more than 60 s"
+    script.write_text(LOST_PEER_WORKER.format(repo=str(REPO), message=own))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("process 0 raised:\nTraceback"), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"RuntimeError: {own}"
 
 
 SLEEPING_WORKERS = textwrap.dedent("""

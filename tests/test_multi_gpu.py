@@ -193,6 +193,50 @@ def test_hand_written_allreduce_sums_exactly_on_nccl(tmp_path):
     check_allreduce(tmp_path, gpu_count(), "nccl")
 
 
+EVALUATE_CHECK = textwrap.dedent("""
+    import datetime, sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    sys.path.insert(0, {repo!r})
+    import common
+    from multi_gpu import Replica, evaluate_accuracy, init_params
+
+    @common.worker
+    def worker(rank, world_size, store, folder, count):
+        dist.init_process_group("gloo", init_method=common.init_method(store, "pg"), rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=30))
+        _, _, images, labels = common.load_fashion_mnist(folder)
+        model = Replica(init_params(7, scale=0.1), torch.device("cpu"), rank, world_size)
+        accuracy = evaluate_accuracy(model, images[:count].unsqueeze(1).float() / 255, labels[:count])
+        if rank == 0:
+            print("accuracy", repr(accuracy))
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with common.rendezvous() as store:
+            common.run_main(lambda: mp.spawn(worker, args=(int(sys.argv[1]), store, sys.argv[2], int(sys.argv[3])),
+                                             nprocs=int(sys.argv[1])))
+""")
+
+
+@pytest.mark.parametrize("world_size, count", [(2, 1000), (2, 1001), (3, 1001), (3, 2)])
+def test_the_test_accuracy_scored_in_shards_equals_one_process_scoring_every_image(tmp_path, world_size, count):
+    """The chapter's exercise 4: k processes each score their share of the test images and sum the counts (even
+    shards, uneven ones, and shards of 1, 1 and 0 images); one process here scores them all with the same weights
+    (scaled up from the tutorial's so that the predictions differ from image to image)."""
+    script = tmp_path / "check_evaluate.py"
+    script.write_text(EVALUATE_CHECK.format(repo=str(REPO)))
+    proc = subprocess.run([sys.executable, script, str(world_size), str(data_folder()), str(count)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    _, _, images, labels = common.load_fashion_mnist(data_folder())
+    images, labels = images[:count].unsqueeze(1).float() / 255, labels[:count]
+    with torch.no_grad():
+        predictions = multi_gpu.lenet(images, multi_gpu.unflatten(multi_gpu.init_params(7, scale=0.1))).argmax(1)
+    correct = (predictions == labels).sum().item()
+    assert 0 < correct < count or count == 2, correct  # neither all right nor all wrong: the shards matter
+    assert proc.stdout.split() == ["accuracy", repr(correct / count)]
+
+
 def test_resume_ends_with_the_same_parameters_and_times_only_its_own_epochs(one_process_short, tmp_path):
     """Stopped after epoch 1 and resumed: the curve and the parameters of the uninterrupted run, and s_per_epoch is
     the median of the epochs the resumed run trained (here epoch 2 alone), not of the epochs before the resume. Run
@@ -448,6 +492,8 @@ BAD_INPUT = {
     "resume without folder": (["--resume"], ["--resume needs --checkpoint-dir"], None, None),
     "plot curve.txt": (["--plot", "{tmp}/curve.txt"], ["--plot", "curve.txt: name a .png, .pdf or .svg file"], None,
                        None),
+    "plot that is a folder": (["--plot", "{tmp}/curve.png"], ["--plot", "curve.png: is a folder; name a file"],
+                              lambda tmp: (tmp / "curve.png").mkdir(), None),
     "checkpoint dir that cannot be created": (["--checkpoint-dir", "{tmp}/file/ck"], ["--checkpoint-dir",
                                               "cannot create this folder (Not a directory)"],
                                               lambda tmp: (tmp / "file").write_text("x"), None),

@@ -289,7 +289,7 @@ def test_the_tutorials_code_runs_alone_and_learns(tmp_path):
     env, counts = step_counter(tmp_path)
     result = finish(start_rpc_rl("--tutorial", "--max-episodes", 40, "--seed", 3, "--log-interval", 40, env=env))
     rewards = [reward for (reward,) in result["episode_rewards"]]
-    assert result["episodes"] == 40 and "eval_rewards" not in result
+    assert result["episodes"] == 40 and result["eval_rewards"] == []
     # the steps the observer's environment made (STEP_COUNTER), not the rewards env_steps is computed from: a reward
     # report_reward lost or recorded twice makes them differ
     assert counts() == {"observer1": [result["env_steps"]]}, (counts(), result["env_steps"])
@@ -572,6 +572,8 @@ BAD_INVOCATIONS = [
     ("--gamma 1.5 --truncation terminal", "--gamma 1.5: pass a discount factor below 1"),
     ("--resume", "--resume needs --checkpoint-dir"),
     ("--checkpoint-dir {tmp}/good.pt/ck", "--checkpoint-dir {tmp}/good.pt/ck: cannot create this folder"),
+    ("--save {tmp}/ckpt_none", "--save {tmp}/ckpt_none: is a folder; name a file"),
+    ("--save {tmp}/good.pt/policy.pt", "--save {tmp}/good.pt: cannot create this folder"),
     # a resumed run continues the checkpoint's generator: another --seed would be dropped
     ("--resume --checkpoint-dir {tmp}/ckpt_lr --seed 7", "'seed': 7, 'gamma': 0.99, 'lr': 0.01, 'truncation': "
                                                        "'bootstrap'}}; pass the same flags"),
@@ -690,23 +692,23 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_and_keeps_the_previous
     assert [path.name for path in tmp_path.iterdir()] == ["rpc_rl.pt"]
 
 
-def test_a_save_that_cannot_be_written_keeps_the_previous_file(tmp_path, capsys):
-    """--save at the end of a run (BatchAgent.report, here in this process under a file-size limit): Python's error,
-    nothing evaluated or reported after it, and the previous policy file still loads."""
-    path = tmp_path / "policy.pt"
-    torch.manual_seed(0)
-    previous = rpc_rl.Policy().state_dict()
-    common.save_checkpoint(path, "rpc_rl", {"policy": previous})
-    agent = object.__new__(rpc_rl.BatchAgent)
-    vars(agent).update(policy=rpc_rl.Policy(), args=types.SimpleNamespace(save=str(path), eval_episodes=2, seed=0))
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+def test_a_save_that_cannot_be_written_at_the_end_loses_neither_the_result_line_nor_the_checkpoint(tmp_path):
+    """--save's folder replaced by a file while the run trains (the check before the run passed): the run still
+    prints its evaluation and result line, then fails on --save with Python's error, exit status 1, and the final
+    checkpoint is whole. Paths with a space and non-ASCII letters, as users type them."""
+    out, checkpoints = tmp_path / "my policies é", tmp_path / "my checkpoints ü"
+    proc = start_rpc_rl("--max-episodes", 30, "--log-interval", 1, "--seed", 3, "--eval-episodes", 2, "--save",
+                        out / "policy.pt", "--checkpoint-dir", checkpoints)
     try:
-        with pytest.raises(OSError, match="File too large"):
-            agent.report(False, 1.0, 0)
+        wait_for_line(proc, "episode 1 |", timeout=100)
+        out.rmdir()  # made by the check before the run
+        out.write_text("not a folder")
+        stdout, stderr = proc.communicate(timeout=120)
     finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    assert capsys.readouterr().out == ""
-    kept = common.load_checkpoint(path, "rpc_rl", "--load", keys=("policy",))["policy"]
-    assert all(torch.equal(kept[name], value) for name, value in previous.items())
-    assert [item.name for item in tmp_path.iterdir()] == ["policy.pt"]
+        kill_all(proc)
+    assert proc.returncode == 1, stderr
+    assert "greedy evaluation: mean reward" in stdout and last_json(stdout)["episodes"] == 30, stdout[-2000:]
+    assert stderr.startswith("process 0 raised:\nTraceback"), stderr
+    assert stderr.splitlines()[-1] == f"FileExistsError: [Errno 17] File exists: '{out}'", stderr
+    saved = common.load_checkpoint(checkpoints / "rpc_rl.pt", "rpc_rl", "--resume", keys=rpc_rl.CHECKPOINT_KEYS)
+    assert len(saved["episode_rewards"]) == 30

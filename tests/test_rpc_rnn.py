@@ -1,9 +1,9 @@
 """rpc_rnn.py on a slice of WikiText-2: the loss falls and the learning rate decays, distributed gradients equal
-one-process gradients to the bit (with clipping), a checkpoint gathered from both processes loads into the one-process
-model and generates text, the loss on the ps equals the tutorial's logits path, two torchrun nodes and a torchrun group
-restarted after kills compute the losses of one uninterrupted run, bad input is one line and exit 2 before anything
-is read or written, and failures (a dead, stopped or orphaned process, a full disk) end the run promptly with nothing
-left running."""
+one-process gradients to float32 rounding (with clipping), a checkpoint gathered from both processes loads into the
+one-process model and generates text, the loss on the ps equals the tutorial's logits path, two torchrun nodes and a
+torchrun group restarted after kills compute the losses of one uninterrupted run, bad input is one line and exit 2
+before anything is read or written, and failures (a dead, stopped or orphaned process, a full disk) end the run
+promptly with nothing left running."""
 
 import contextlib
 import io
@@ -203,7 +203,10 @@ def test_resume_of_a_finished_run_trains_nothing_and_more_epochs_continue_it_to_
 def test_copied_alone_the_distributed_gradients_are_the_one_process_gradients(text_dir, tmp_path):
     """From a folder holding only rpc_rnn.py and common.py. --clip 0.05 is below the gradient norm, so the global
     clipping across both processes is exercised, and the weights after the distributed optimizer's step prove the
-    step used the clipped gradients. Same kernels on the same CPU: equal to the bit."""
+    step used the clipped gradients. Same kernels on the same CPU, but the global norm is summed in another order
+    than clip_grad_norm_'s, so the two agree to float32 rounding. Tolerances: the norm within 1e-6 of it (about 1e-5
+    relative; measured: 7e-9), the losses 1e-6, the weights (of size about 0.1) 1e-6 after 3 steps of lr 20 (measured:
+    6e-8, one float32 step at 0.5). A step that missed the clipping ends more than 1e-3 away (the next test)."""
     for name in ("rpc_rnn.py", "common.py"):
         shutil.copy(REPO / name, tmp_path / name)
     proc = subprocess.run([sys.executable, "rpc_rnn.py", "--data-dir", str(text_dir), "--check-gradients",
@@ -214,7 +217,7 @@ def test_copied_alone_the_distributed_gradients_are_the_one_process_gradients(te
     assert result["batches"] == 3
     assert result["compared"] == len(list(rpc_rnn.LocalRNNModel(10, 4, 4, 2, 0.0).parameters()))
     assert min(result["grad_norms"]) > 0.05, result  # clipping was active on every batch
-    assert result["max_grad_diff"] == result["max_param_diff"] == result["loss_diff"] == 0.0, result
+    assert result["norm_diff"] <= 1e-6 and result["loss_diff"] <= 1e-6 and result["max_param_diff"] <= 1e-6, result
     assert sorted(path.name for path in tmp_path.iterdir()) == ["common.py", "rpc_rnn.py"]  # wrote nothing
 
 
@@ -619,6 +622,8 @@ def bad_invocations(text_dir, trained, tmp):
         "checkpoint-dir-under-a-file": bad([*data, "--checkpoint-dir", tmp / "a-file" / "ckpt"],
                                            "cannot create this folder (Not a directory)"),
         "load-missing": bad([*generate, tmp / "nothing.pt"], "no such file"),
+        "save-is-a-folder": bad([*data, "--save", tmp / "empty-folder"], f"--save {tmp}/empty-folder: is a folder; "
+                                                                           f"name a file"),
         # launcher variables set by hand: checked whole, before the 2M-word corpus is read
         "rank-without-master-addr": bad(data, "MASTER_ADDR not set",
                                         {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -666,7 +671,7 @@ BAD_CASES = [
     "max-batches-fraction", "generate-zero", "temperature-zero", "temperature-below-the-floor", "dropout-one",
     "dropout-negative",
     "resume-without-checkpoint-dir", "load-without-generate", "generate-without-load", "check-gradients-with-dropout",
-    "cuda-without-gpu", "checkpoint-dir-under-a-file", "load-missing", "rank-without-master-addr",
+    "cuda-without-gpu", "checkpoint-dir-under-a-file", "load-missing", "save-is-a-folder", "rank-without-master-addr",
     "rank-world-size-local-rank-only", "rank-not-below-world-size", "three-processes", "load-garbage",
     "load-truncated", "load-of-another-script", "load-damaged", "load-weights-that-do-not-fit-their-config",
     "resume-damaged", "resume-another-recipe", "resume-fewer-epochs-than-done", "resume-another-version",
@@ -740,7 +745,7 @@ def test_distributed_gradients_on_gpus_equal_one_cpu_process(text_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["batches"] == 3 and min(result["grad_norms"]) > 0.05, result
-    assert max(result["max_grad_diff"], result["max_param_diff"], result["loss_diff"]) <= 1e-5, result
+    assert max(result["norm_diff"], result["max_param_diff"], result["loss_diff"]) <= 1e-5, result
 
 
 @needs_gpus(1)
