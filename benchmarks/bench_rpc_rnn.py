@@ -1,11 +1,11 @@
 """Benchmark rpc_rnn.py: tokens/s of the model split over the ps and the trainer, against the same model in one
 process, on the same text, settings and device.
 
-    python benchmarks/bench_rpc_rnn.py --data-dir ../shared/data               # a slice of WikiText-2, CPU
-    python benchmarks/bench_rpc_rnn.py --data-dir DATA --cuda --lines 0 --emsize 200 --nhid 200   # the recipe, GPU
+    python benchmarks/bench_rpc_rnn.py                                    # a slice of WikiText-2, CPU
+    python benchmarks/bench_rpc_rnn.py --cuda --lines 0 --emsize 200 --nhid 200   # the recipe, GPU
 
-Three ways, one after the other in each round, the best of --rounds reported (the round least disturbed by other
-work on the machine):
+The data come from DATA_DIR where it is set, else from the download cache. Three ways, one after the other in each
+round; the median of --rounds rounds (3), with the smallest and the largest:
 - one process: LocalRNNModel, word_language_model's loop (SGD, clip_grad_norm_), every core, the same math;
 - loss on the ps: `rpc_rnn.py` (the ps holds the embedding, the decoder and the loss; the trainer the LSTM);
 - ship logits: `rpc_rnn.py --ship-logits`, the tutorial's path (the ps sends the logits back to the trainer).
@@ -16,6 +16,7 @@ Writes results/rpc_rnn.json (rpc_rnn_cuda.json with --cuda).
 """
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from harness import REPO, run_script, write_result
+from harness import REPO, check_committed, run_script, spread, write_result
 
 sys.path.insert(0, str(REPO))
 import rpc_rnn  # noqa: E402
@@ -51,15 +52,15 @@ def one_process(folder, args, device):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", help="folder holding WikiText-2 (or its parent)")
     parser.add_argument("--lines", type=int, default=2000, help="lines of train.txt (0: all)")
     parser.add_argument("--batches", type=int, default=60, help="training batches per measurement")
     parser.add_argument("--emsize", type=int, default=128)
     parser.add_argument("--nhid", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cuda", action="store_true", help="on GPU 0 (rpc_rnn.py --cuda)")
     args = parser.parse_args()
-    source = rpc_rnn.wikitext2_dir(args.data_dir)
+    check_committed()
+    source = rpc_rnn.wikitext2_dir(os.environ.get("DATA_DIR"))
     device = torch.device("cuda", 0) if args.cuda else torch.device("cpu")
     with tempfile.TemporaryDirectory() as folder:
         for name in rpc_rnn.WIKITEXT2_FILES:
@@ -74,13 +75,13 @@ def main():
             rounds.append([local, run_script(flags, 1800)[0]["tokens_per_s"],
                            run_script([*flags, "--ship-logits"], 1800)[0]["tokens_per_s"]])
             print("one process {:.0f} | loss on the ps {:.0f} | ship logits {:.0f} tokens/s".format(*rounds[-1]))
-    best = [max(column) for column in zip(*rounds)]
-    rows = [[way, round(tokens), round(tokens / best[0], 2)] for way, tokens in
-            zip(("one process", "ps + trainer, loss on the ps", "ps + trainer, logits shipped (the tutorial's)"), best)]
+    ways = ("one process", "ps + trainer, loss on the ps", "ps + trainer, logits shipped (the tutorial's)")
+    rows = [[way, spread([run[index] for run in rounds]), spread([run[index] / run[0] for run in rounds], 3)]
+            for index, way in enumerate(ways)]
     write_result("rpc_rnn_cuda" if args.cuda else "rpc_rnn", {f"Tokens/s ({device.type})": {
-        "columns": ["model", "tokens/s", "vs one process"], "rows": rows}},
+        "columns": ["model", "tokens/s", "vs one process (per round)"], "rows": rows}},
         f"Vocabulary {ntoken} words, emsize {args.emsize}, nhid {args.nhid}, batch 20 x bptt 35, {args.batches} "
-        f"batches, best of {args.rounds} rounds.")
+        f"batches; {args.rounds} rounds: median (smallest–largest).")
 
 
 if __name__ == "__main__":

@@ -548,6 +548,8 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a few points and short rounds: seconds")
     parser.add_argument("--out", help="write the result file and the figures into this folder instead")
     args = parser.parse_args()
+    if not args.out:
+        harness.check_committed()
     settings = TINY if args.tiny else FULL
     points = measure(settings)
     constants = fit_model(points)

@@ -1,8 +1,12 @@
 """What every benchmark shares: running a script and reading its JSON line, the machine it ran on, the result file, and
 the rendering of result files into the docs.
 
-A benchmark ends with write_result(name, tables, notes): results/NAME.json holds its tables beside the command, torch
-version, machine, date and commit that produced them, and replaces the previous file (history stays in git).
+A benchmark starts with check_committed() and ends with write_result(name, tables, notes): results/NAME.json holds its
+tables beside the command, torch version, machine, date and commit that produced them, and replaces the previous file
+(history stays in git). Both refuse, in one line, code that differs from its commit and a command that names a path
+outside the repository: a result is measured on a commit, by a command a reader can type in a clone. The data come
+from DATA_DIR (a folder holding fashion-mnist/ and wikitext-2/) where it is set, else from the scripts' download
+cache.
 `python benchmarks/harness.py` writes every table into README.md and docs/*.md wherever a page holds its markers,
 
     <!-- result: NAME / TABLE TITLE -->
@@ -12,9 +16,10 @@ and tests/test_results.py fails when a page shows anything else between them tha
 also measures what README shows:
 
     python benchmarks/harness.py --quickstart          # README's quick start, as written: results/quickstart.json
-    python benchmarks/harness.py --suite               # python -m pytest, timed: results/suite.json
-    python benchmarks/harness.py --python PY [--python PY ...]   # the quick start and the bad-input tests with
-                                                                 # other interpreters: results/python_versions.json
+    python benchmarks/harness.py --defaults            # how long each script's default run takes: results/defaults.json
+    python benchmarks/harness.py --python 3.12 --python 3.13 --python "3.11 torch==2.11.0"
+        # the quick start and the bad-input tests in a fresh venv of requirements.txt for each Python version (with
+        # the pins given replacing the file's): results/python_versions.json
 """
 
 import argparse
@@ -23,6 +28,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,37 +55,76 @@ def run_script(command, timeout, cwd=REPO, env=None):
 
 
 def machine():
-    """The machine in words: its GPUs if torch sees any, else its CPU model and the cores this process may use."""
+    """The machine in words: its GPUs if torch sees any, else its CPU model and the cores this process may use; then
+    its operating system."""
     import torch
+    try:
+        system = platform.freedesktop_os_release()["PRETTY_NAME"]
+    except (OSError, KeyError):
+        system = platform.platform(terse=True)
     if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, {system}"
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                  platform.processor() or platform.machine())
-    return f"{model}, {len(os.sched_getaffinity(0))} cores"
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, {system}"
 
 
-def commit():
-    """The commit of the code measured, with `+changes` when its Python files or requirements differ from it."""
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    changed = git("status", "--porcelain", "-uno", "--", "*.py", "requirements.txt")
-    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
+def git(*args):
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+OUTSIDE = re.compile(r"(?<![\w:/.-])(/|~/|\.\./)[^\s/]")  # an absolute path, or one that leaves the folder
+
+
+def command():
+    """This benchmark's command line as a reader types it in a clone, from the repository's root."""
+    return "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
+
+
+def check_committed():
+    """Exit in one line unless what is measured is a commit: Python files and requirements as HEAD holds them, and a
+    command that names no path outside the repository."""
+    changed = git("status", "--porcelain", "--", "*.py", "requirements.txt")
+    if changed:
+        sys.exit(f"{command()}: the code differs from commit {git('rev-parse', '--short', 'HEAD')} "
+                 f"({', '.join(line.split()[-1] for line in changed.splitlines())}): commit first")
+    if OUTSIDE.search(command()):
+        sys.exit(f"{command()}: names a path outside the repository; give the data in DATA_DIR, interpreters by "
+                 f"version")
+
+
+def data_flags():
+    """--data-dir for the scripts: DATA_DIR where it is set, else nothing (the scripts' download cache)."""
+    return ["--data-dir", os.environ["DATA_DIR"]] if os.environ.get("DATA_DIR") else []
+
+
+def spread(values, digits=4):
+    """A timing's rounds as one table cell: the median, then the smallest and largest round, "4.67 (4.51–4.85)"."""
+    values = sorted(values)
+    low, middle, high = (f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:,.0f}"
+                         for value in (values[0], statistics.median(values), values[-1]))
+    return f"{middle} ({low}–{high})"
 
 
 def write_result(name, tables, notes="", folder=None):
     """results/NAME.json (or folder/NAME.json): tables ({title: {"columns": [...], "rows": [[...], ...]}}), a note
-    for the reader, and how they were measured: the command as run, torch, Python, machine, date and commit. Written
-    by common.atomic_write: a write that fails keeps the previous result."""
+    for the reader, and how they were measured: the command, torch, Python, machine, date and commit (checked, into
+    results/: check_committed). Printed first, then written by common.atomic_write: a write that fails keeps the
+    previous file, and the printed copy."""
     import torch
     sys.path.insert(0, str(REPO))
     import common
-    command = "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
-    result = {"name": name, "command": command, "torch": torch.__version__, "python": platform.python_version(),
-              "machine": machine(), "date": datetime.date.today().isoformat(), "commit": commit(), "notes": notes,
-              "tables": tables}
+    if folder is None:  # a result of the project's (a test writes elsewhere)
+        check_committed()
+    result = {"name": name, "command": command(), "torch": torch.__version__, "python": platform.python_version(),
+              "machine": machine(), "date": datetime.date.today().isoformat(), "commit": git("rev-parse", "--short",
+                                                                                              "HEAD"),
+              "notes": notes, "tables": tables}
+    text = json.dumps(result, indent=1) + "\n"
+    print(text, end="", flush=True)
     path = Path(folder or RESULTS, f"{name}.json")
-    common.atomic_write(path, (json.dumps(result, indent=1) + "\n").encode())
+    common.atomic_write(path, text.encode())
     print(f"wrote {path}", flush=True)
     return result
 
@@ -131,26 +176,26 @@ QUICKSTART = ["multi_gpu.py --gpus 0 --procs 2 --limit-train 8192 --batch-size 3
 
 
 def data_cache(folder):
-    """A download cache ($XDG_CACHE_HOME) in folder that holds the data of DATA_DIR or ../shared/data as links, so that
-    the commands run as written without downloading."""
-    source = Path(os.environ.get("DATA_DIR") or REPO.parent / "shared" / "data")
+    """A download cache ($XDG_CACHE_HOME) in folder that holds DATA_DIR's data as links, so that the commands run as
+    written without downloading; without DATA_DIR, the scripts' own cache (they download what it lacks)."""
+    if not os.environ.get("DATA_DIR"):
+        return {}
     for name in ("fashion-mnist", "wikitext-2"):
         target = Path(folder, "torch-distributed-patterns", name)
         target.mkdir(parents=True)
-        for path in (source / name).iterdir():
+        for path in Path(os.environ["DATA_DIR"], name).iterdir():
             (target / path.name).symlink_to(path)
     return {"XDG_CACHE_HOME": str(folder)}
 
 
-def timed(command, env, timeout=1800):
-    """(exit status, the last line before the JSON line, or the JSON line where it is the only one, wall seconds) of
-    a command run from the repository."""
-    started = time.perf_counter()
+def last_line(command, env=None, timeout=1800):
+    """(exit status, the last line before the JSON line, or the JSON line where it is the only one) of a command run
+    from the repository."""
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **env})
+                          env={**os.environ, **(env or {})})
     lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
     lines = [line for line in lines if not line.startswith("{")] or lines or [proc.stderr.strip()]
-    return proc.returncode, lines[-1][:110], time.perf_counter() - started
+    return proc.returncode, lines[-1][:110]
 
 
 def quickstart(python=sys.executable):
@@ -159,10 +204,43 @@ def quickstart(python=sys.executable):
         env = data_cache(folder)
         rows = []
         for command in QUICKSTART:
-            status, last, seconds = timed([python, *command.split()], env)
-            rows.append([f"`python {command}`", status, f"`{last}`", round(seconds)])
+            status, last = last_line([python, *command.split()], env)
+            rows.append([f"`python {command}`", status, f"`{last}`"])
             print(rows[-1], flush=True)
     return rows
+
+
+def defaults(rounds=3):
+    """How long each script's default run takes, from `rounds` interleaved runs: multi_gpu.py's seconds per epoch of
+    2 epochs, times its 10; rpc_rl.py's whole run, until solved, on seeds 1, 2, 3...; rpc_rnn.py's tokens/s over 100
+    batches, into its 40 epochs of WikiText-2's training text (validation and test left out)."""
+    sys.path.insert(0, str(REPO))
+    import common
+    import rpc_rnn
+    fashion, wikitext = common.fashion_mnist_dir(os.environ.get("DATA_DIR")), rpc_rnn.wikitext2_dir(
+        os.environ.get("DATA_DIR"))
+    megabytes = {name: f"{sum(Path(folder, file).stat().st_size for file in files) / 1e6:.1f} MB ({name})" for name,
+                 folder, files in (("Fashion-MNIST", fashion, common.FASHION_MNIST_FILES),
+                                   ("WikiText-2", wikitext, rpc_rnn.WIKITEXT2_FILES))}
+    corpus = rpc_rnn.Corpus(wikitext)
+    epoch_tokens = len(corpus.train) // 20 * 20 - 20  # --batch-size 20: the targets of an epoch's windows
+    measured = {"multi_gpu": [], "rpc_rl": [], "rpc_rnn": []}
+    for seed in range(1, rounds + 1):
+        measured["multi_gpu"].append(run_script(["multi_gpu.py", "--epochs", 2, *data_flags()], 3600)[0]["s_per_epoch"])
+        measured["rpc_rl"].append(run_script(["rpc_rl.py", "--seed", seed], 3600)[1])
+        measured["rpc_rnn"].append(run_script(["rpc_rnn.py", "--epochs", 1, "--max-batches", 100, *data_flags()],
+                                              3600)[0]["tokens_per_s"])
+        print({name: values[-1] for name, values in measured.items()}, flush=True)
+    epoch, run, tokens = (statistics.median(measured[name]) for name in measured)
+    return [["`python multi_gpu.py`", "10 epochs, 2 CPU processes", megabytes["Fashion-MNIST"],
+             f"{spread(measured['multi_gpu'])} s/epoch", f"{10 * epoch / 60:.0f} min, estimated (10 epochs)"],
+            ["`python rpc_rl.py`", "until solved, 1 observer", "none", f"{spread(measured['rpc_rl'])} s (seeds 1 to "
+             f"{rounds})", f"{run / 60:.1f} min, measured (the median)"],
+            ["`python rpc_rnn.py`", "40 epochs of WikiText-2", megabytes["WikiText-2"],
+             f"{spread(measured['rpc_rnn'])} tokens/s", f"{40 * epoch_tokens / tokens / 3600:.0f} h, estimated "
+                                                         f"(training only)"],
+            ["`python async_hpo.py`", "random search, 2 workers", megabytes["Fashion-MNIST"], "–",
+             "720 s and start-up: its budget"]]
 
 
 def versions(python):
@@ -170,38 +248,55 @@ def versions(python):
     return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
 
 
+def fresh_venv(spec, folder):
+    """A venv in folder for spec, "VERSION [PACKAGE==X ...]": `pythonVERSION -m venv`, then requirements.txt with the
+    pins given in place of the file's. Returns its interpreter."""
+    version, *pins = spec.split()
+    subprocess.run([f"python{version}", "-m", "venv", folder], check=True)
+    replaced = {pin.split("==")[0].lower() for pin in pins}
+    lines = [line for line in (REPO / "requirements.txt").read_text().splitlines()
+             if re.split(r"[=<> ;]", line.strip())[0].lower() not in replaced]
+    Path(folder, "requirements.txt").write_text("\n".join([*lines, *pins]) + "\n")
+    python = str(Path(folder, "bin", "python"))
+    subprocess.run([python, "-m", "pip", "install", "--quiet", "-r", Path(folder, "requirements.txt")], check=True)
+    return python
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quickstart", action="store_true", help="run README's quick start")
-    parser.add_argument("--suite", action="store_true", help="run the test suite, timed")
-    parser.add_argument("--python", action="append", help="an interpreter to run the scripts and bad-input tests with")
+    parser.add_argument("--defaults", action="store_true", help="time each script's default run (3 rounds)")
+    parser.add_argument("--python", action="append",
+                        help='"VERSION [PACKAGE==X ...]": a fresh venv running the quick start and the bad-input tests')
     args = parser.parse_args()
+    if args.quickstart or args.defaults or args.python:
+        check_committed()
     if args.quickstart:
         write_result("quickstart", {"The quick start on two CPU cores": {
-            "columns": ["command", "exit status", "its last line before the JSON line", "seconds"],
-            "rows": quickstart()}})
-    if args.suite:
-        status, last, seconds = timed([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], {}, 7200)
-        write_result("suite", {"The test suite on two CPU cores": {
-            "columns": ["command", "exit status", "its last line", "seconds"],
-            "rows": [["`python -m pytest -q`", status, f"`{last}`", round(seconds)]]}})
+            "columns": ["command", "exit status", "its last line before the JSON line"], "rows": quickstart()}})
+    if args.defaults:
+        write_result("defaults", {"Default runs on two CPU cores": {
+            "columns": ["command", "what it runs", "first download", "measured: median (smallest–largest) of 3",
+                        "the default run"],
+            "rows": defaults()}})
     if args.python:
         rows = []
-        for python in args.python:
-            python_version, torch_version, numpy_version = versions(python)
+        for spec in args.python:
             with tempfile.TemporaryDirectory() as folder:
-                status, last, seconds = timed([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                                               "bad_input or help_lists or bad_data or corrupt"], data_cache(folder))
-            runs = quickstart(python)
+                python = fresh_venv(spec, Path(folder, "venv"))
+                python_version, torch_version, numpy_version = versions(python)
+                status, last = last_line([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                                          "bad_input or help_lists or bad_data or corrupt"])
+                runs = quickstart(python)
             rows.append([python_version, torch_version, numpy_version,
-                         f"{sum(run[1] == 0 for run in runs)} of {len(runs)}, {sum(run[3] for run in runs)} s",
+                         f"{sum(run[1] == 0 for run in runs)} of {len(runs)}",
                          f"`{last}`" if status == 0 else f"exit status {status}: `{last}`"])
         write_result("python_versions", {"Other interpreters and torch releases": {
             "columns": ["Python", "torch", "numpy", "quick-start commands that exit 0", "bad-input tests"],
-            "rows": rows}}, "Each interpreter a venv of requirements.txt (or with the torch named). The quick start: "
-                            "README's commands; the bad-input tests: `python -m pytest -k \"bad_input or help_lists or "
-                            "bad_data or corrupt\"`")
-    if not (args.quickstart or args.suite or args.python):
+            "rows": rows}}, "Each a fresh venv of requirements.txt (with the pins named in the command). The quick "
+                            "start: README's commands; the bad-input tests: `python -m pytest -k \"bad_input or "
+                            "help_lists or bad_data or corrupt\"`")
+    if not (args.quickstart or args.defaults or args.python):
         for page in PAGES:
             if page.read_text() != (text := rendered(page)):
                 page.write_text(text)

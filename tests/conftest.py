@@ -85,11 +85,8 @@ def flags(*recipes, **overrides):
 
 
 def data_root():
-    """DATA_DIR if set, else ../shared/data beside the checkout; None lets the scripts download."""
-    if os.environ.get("DATA_DIR"):
-        return Path(os.environ["DATA_DIR"])
-    shared = REPO.parent / "shared" / "data"
-    return shared if shared.is_dir() else None
+    """DATA_DIR (a folder holding fashion-mnist/ and wikitext-2/) if set; None lets the scripts download."""
+    return Path(os.environ["DATA_DIR"]) if os.environ.get("DATA_DIR") else None
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -61,3 +62,42 @@ def test_a_result_that_cannot_be_written_keeps_the_previous_one(tmp_path, monkey
     with pytest.raises(OSError, match="No space left"):
         harness.write_result("demo", {"Speed": {"columns": ["s"], "rows": [[2.0]] * 10**5}}, folder=tmp_path)
     assert (tmp_path / "demo.json").read_text() == before and json.loads(before)["tables"]["Speed"]["rows"] == [[1.0]]
+
+
+def test_no_result_names_a_path_outside_the_repository_or_code_that_no_commit_holds():
+    """Every result file's command is one a reader types in a clone, and it was measured on a commit."""
+    def strings(value):
+        if isinstance(value, dict):
+            return [text for item in value.values() for text in strings(item)]
+        if isinstance(value, list):
+            return [text for item in value for text in strings(item)]
+        return [value] if isinstance(value, str) else []
+    for path in sorted((REPO / "results").glob("*.json")):
+        result = json.loads(path.read_text())
+        assert re.fullmatch(r"[0-9a-f]{7,40}", result["commit"]), (path.name, result["commit"])
+        for text in strings(result):
+            assert not harness.OUTSIDE.search(text), (path.name, text)
+
+
+@pytest.mark.parametrize("argv, git_status, message", [
+    (["--seeds", "1"], " M rpc_rl.py", "the code differs from commit abc1234 (rpc_rl.py): commit first"),
+    (["--seeds", "1"], "?? helper.py", "the code differs from commit abc1234 (helper.py): commit first"),
+    (["--data-dir", "../shared/data"], "", "names a path outside the repository"),
+    (["--python", "/work/venvs/py3.12/bin/python"], "", "names a path outside the repository"),
+    (["--out", "~/results"], "", "names a path outside the repository"),
+    (["--python", "3.12", "--python", "3.11 torch==2.11.0", "--seeds", "1,2"], "", None),
+    (["--lr", "0.1/2", "--note", "https://d2l.ai/x"], "", None),
+])
+def test_a_result_of_uncommitted_code_or_by_a_path_outside_the_repository_is_refused(argv, git_status, message,
+                                                                                      monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", [str(REPO / "benchmarks" / "bench_demo.py"), *argv])
+    monkeypatch.setattr(harness, "git", lambda *args: git_status if args[0] == "status" else "abc1234")
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    tables = {"Speed": {"columns": ["s"], "rows": [[1.0]]}}
+    if message is None:
+        assert harness.write_result("demo", tables)["command"] == "python benchmarks/bench_demo.py " + " ".join(argv)
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        harness.write_result("demo", tables)
+    assert str(exit_info.value).startswith("python benchmarks/bench_demo.py ") and message in str(exit_info.value)
+    assert list(tmp_path.iterdir()) == []
