@@ -66,11 +66,22 @@ TINY = {"sizes": [1, 129068, 4194304], "procs": [2], "devices": [1, 64], "observ
 # ---------------------------------------------------------------------------------------------------------
 
 
+class Rounds(list):
+    """The seconds of each round of one measurement; divided by n, each round's per-item seconds."""
+
+    def __truediv__(self, n):
+        return Rounds(value / n for value in self)
+
+    def point(self):
+        return {"seconds": min(self), "slowest": max(self)}
+
+
 def seconds_per_call(operations, settings, group=False):
-    """{name: seconds per call of operations[name]()}: the fastest of the rounds, each timing back-to-back calls for
-    about round_seconds (one at least), the operations interleaved round by round. The fastest, because other work on
-    the machine can only slow a round down. In a process group every rank makes the same calls: a round starts
-    together and lasts until the slowest rank is done, and all ranks use the slowest's count of calls."""
+    """{name: Rounds of seconds per call of operations[name]()}, each round timing back-to-back calls for about
+    round_seconds (one at least), the operations interleaved round by round. The model takes the fastest, because
+    other work on the machine can only slow a round down; the tables show the slowest beside it. In a process group
+    every rank makes the same calls: a round starts together and lasts until the slowest rank is done, and all ranks
+    use the slowest's count of calls."""
     def timed(operation, calls):
         if group:
             dist.barrier()
@@ -90,7 +101,7 @@ def seconds_per_call(operations, settings, group=False):
     for _ in range(settings["rounds"]):
         for name, operation in operations.items():
             times[name].append(timed(operation, calls[name]))
-    return {name: min(values) for name, values in times.items()}
+    return {name: Rounds(values) for name, values in times.items()}
 
 
 def measure_here(settings):
@@ -113,9 +124,9 @@ def measure_here(settings):
             state, _ = env.reset()
         state.tolist()
 
-    return ([{"series": "compute", "images": images, "seconds": s} for images, s in compute.items()]
-            + [{"series": "sum", "bytes": nbytes, "seconds": s} for nbytes, s in sums.items()]
-            + [{"series": "env step", "seconds": seconds_per_call({"step": env_step}, settings)["step"]}])
+    return ([{"series": "compute", "images": images, **s.point()} for images, s in compute.items()]
+            + [{"series": "sum", "bytes": nbytes, **s.point()} for nbytes, s in sums.items()]
+            + [{"series": "env step", **seconds_per_call({"step": env_step}, settings)["step"].point()}])
 
 
 def round_trip(buffer, rank):
@@ -150,14 +161,14 @@ def group_worker(rank, world_size, store, settings, result_file):
             operations["exchange"] = functools.partial(exchange, buffer, incoming, 1 - rank)
         for name, seconds in seconds_per_call(operations, settings, group=True).items():
             points.append({"series": name, "bytes": 4 * floats, **({"k": world_size} if name in ALGORITHMS else {}),
-                           "seconds": seconds})
+                           **seconds.point()})
     generator = torch.Generator().manual_seed(0)  # every rank draws the same global batch, and trains on its shard
     X, y = torch.rand(BATCH, 1, 28, 28, generator=generator), torch.randint(10, (BATCH,), generator=generator)
     steps = {name: functools.partial(multi_gpu.train_batch, X, y, multi_gpu.Replica(
         multi_gpu.init_params(0), torch.device("cpu"), rank, world_size, allreduce), 0.0)
         for name, allreduce in multi_gpu.ALLREDUCES.items()}
     for name, seconds in seconds_per_call(steps, settings, group=True).items():
-        points.append({"series": "step", "algorithm": name, "k": world_size, "seconds": seconds})
+        points.append({"series": "step", "algorithm": name, "k": world_size, **seconds.point()})
     if rank == 0:
         Path(result_file).write_text(json.dumps(points))
     dist.destroy_process_group()
@@ -224,10 +235,10 @@ def measure_agent(observers, settings):
         pings = {series: functools.partial(rpc.rpc_sync, agent.ob_rrefs[0].owner(), ping_agent,
                                            args=(agent.agent_rref, PINGS, series == "rpc queued"))
                  for series in ("rpc round trip", "rpc queued")}
-        points += [{"series": series, "seconds": seconds / PINGS}
+        points += [{"series": series, **(seconds / PINGS).point()}
                    for series, seconds in seconds_per_call(pings, settings).items()]
     acts = seconds_per_call({envs: functools.partial(agent.answer, envs) for envs in settings["envs"]}, settings)
-    points += [{"series": "act", "states": observers * envs, "observers": observers, "envs": envs, "seconds": seconds}
+    points += [{"series": "act", "states": observers * envs, "observers": observers, "envs": envs, **seconds.point()}
                for envs, seconds in acts.items()]
     steps = {}
     for envs in settings["envs"]:
@@ -237,8 +248,8 @@ def measure_agent(observers, settings):
         steps[envs] = max(20, int(settings["round_seconds"] * 20 / (time.perf_counter() - started)))
     runs = seconds_per_call({envs: functools.partial(agent.run_steps, envs, steps[envs]) for envs in settings["envs"]},
                             settings)
-    return points + [{"series": "agent step", "observers": observers, "envs": envs, "seconds": seconds / steps[envs]}
-                     for envs, seconds in runs.items()]
+    return points + [{"series": "agent step", "observers": observers, "envs": envs,
+                      **(seconds / steps[envs]).point()} for envs, seconds in runs.items()]
 
 
 @common.worker
@@ -450,10 +461,11 @@ def size(nbytes):
             return f"{nbytes / scale:.4g} {unit}"
 
 
-def tables(c, rows, summary, p, gpu_step_ms):
-    def cell(row):  # measured / model (error), a star where a constant was fitted on the point
+def tables(c, rows, summary, p, gpu_step_ms, settings):
+    def cell(row):  # measured (slowest round) / model (error), a star where a constant was fitted on the point
         star = "*" if row["fitted"] else ""
-        return f"{duration(row['seconds'])} / {duration(row['model'])} ({row['error']:+.0%}){star}"
+        return (f"{duration(row['seconds'])} ({duration(row['slowest'])}) / {duration(row['model'])} "
+                f"({row['error']:+.0%}){star}")
 
     def find(**match):
         return next(row for row in rows if all(row.get(key) == value for key, value in match.items()))
@@ -494,7 +506,8 @@ def tables(c, rows, summary, p, gpu_step_ms):
             "columns": ["link", "allreduce", *(f"k = {k}" for k in COUNTS)], "rows": epochs},
         "Predicted env steps/s of rpc_rl, N observers": {
             "columns": ["N", *(f"K = {envs}" for envs in PREDICTED_ENVS)], "rows": observers},
-    }, (f"{summary['points']} points checked: median error {summary['median_error']:.0%} "
+    }, (f"Measured: the fastest of {settings['rounds']} interleaved rounds (the slowest in brackets). "
+        f"{summary['points']} points checked: median error {summary['median_error']:.0%} "
         f"({summary['predicted_median_error']:.0%} over the {summary['predicted_points']} no constant was fitted on, "
         f"marked * otherwise), worst {summary['worst_ratio']:.2f}x, {summary['off_by_2x']} off by more than 2x.")
 
@@ -555,7 +568,7 @@ def main():
     constants = fit_model(points)
     rows, summary = check_model(points, constants)
     predictions = predict(constants, args.gpu_step_ms)
-    results, notes = tables(constants, rows, summary, predictions, args.gpu_step_ms)
+    results, notes = tables(constants, rows, summary, predictions, args.gpu_step_ms, settings)
     print(notes, flush=True)
     harness.write_result("scaling", results, notes, folder=args.out)
     figures(predictions, rows, args.out or harness.REPO / "docs" / "figures")

@@ -259,15 +259,19 @@ def test_a_results_folder_with_spaces_and_accents_works_and_failed_trials_say_wh
     data = data if (data / "train-images-idx3-ubyte.gz").exists() else data / "fashion-mnist"
     broken = tmp_path / "broken data ü"
     shutil.copytree(data, broken)
-    proc = start_search("--data-dir", broken, *QUICK, "--max-epochs", "1", "--max-trials", "2", "--results-dir",
-                        results)
+    results = tmp_path / "other results ü"
+    # offline: a trial that finds no data where the tuner had them falls back to the download cache
+    proc = subprocess.Popen([sys.executable, REPO / "async_hpo.py", "--data-dir", broken, *QUICK, "--max-epochs", "1",
+                             "--max-trials", "2", "--results-dir", results], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **OFFLINE})
     # the tuner checks the data before any trial starts; the trials read them again, after they are gone
-    wait_for(lambda: list(results.glob("*-*-*/0/config.json")) or None, 120, "trial 0 to be scheduled")
+    wait_for(lambda: list(results.glob("*/0/config.json")) or None, 120, "trial 0 to be scheduled")
     shutil.rmtree(broken)
     code, out, err = finish(proc, 240)
     assert code == 1 and "Traceback" not in err.strip().splitlines()[-1], err
     assert re.fullmatch(r"async_hpo\.py: error: no trial reported a result, and 2 failed \(the first, trial 0: "
-                        r"FileNotFoundError: .*; the trials' logs: .*\)", err.strip().splitlines()[-1]), err
+                        r"async_hpo\.py: error: cannot download train-images-idx3-ubyte\.gz .*; the trials' logs: "
+                        + re.escape(str(results)) + r"/.*\)", err.strip().splitlines()[-1]), err
 
 
 def test_the_budget_still_ends_a_search_with_max_trials(tmp_path, data_dir_args):
