@@ -168,11 +168,14 @@ def rendered(page):
     return MARKER.sub(render, page.read_text())
 
 
-QUICKSTART = ["multi_gpu.py --gpus 0 --procs 2 --limit-train 8192 --batch-size 32 --epochs 2",
-              "rpc_rl.py --envs-per-observer 16", "rpc_rl.py --tutorial --max-episodes 100",
-              "rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64",
-              "rpc_rnn.py --check-gradients --dropout 0 --clip 0.05 --emsize 32 --nhid 32",
-              "async_hpo.py --max-trials 6 --max-epochs 2 --limit-train 5000 --activation relu"]
+# README's quick start, and what each command's JSON line reports that its row shows
+QUICKSTART = {"multi_gpu.py --gpus 0 --procs 2 --limit-train 8192 --batch-size 32 --epochs 2": ["test_acc"],
+              "rpc_rl.py --envs-per-observer 16": ["solved", "episodes"],
+              "rpc_rl.py --tutorial --max-episodes 100": ["solved", "running_reward"],
+              "rpc_rnn.py --epochs 1 --max-batches 200 --emsize 64 --nhid 64": ["test_ppl"],
+              "rpc_rnn.py --check-gradients --dropout 0 --clip 0.05 --emsize 32 --nhid 32": ["max_param_diff"],
+              "async_hpo.py --max-trials 6 --max-epochs 2 --limit-train 5000 --activation relu": [
+                  "trials_completed", "best_validation_error"]}
 
 
 def data_cache(folder):
@@ -189,23 +192,24 @@ def data_cache(folder):
 
 
 def last_line(command, env=None, timeout=1800):
-    """(exit status, the last line before the JSON line, or the JSON line where it is the only one) of a command run
-    from the repository."""
+    """(exit status, the last line of stdout or else of stderr, the JSON line as a dict or None) of a command run from
+    the repository."""
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
-    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("{")] or lines or [proc.stderr.strip()]
-    return proc.returncode, lines[-1][:110]
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()] or [proc.stderr.strip()]
+    return proc.returncode, lines[-1][:110], json.loads(lines[-1]) if lines[-1].startswith("{") else None
 
 
 def quickstart(python=sys.executable):
-    """README's quick start, each command as written (async_hpo's search goes into runs/, which git ignores)."""
+    """README's quick start, each command as written (async_hpo's search goes into runs/, which git ignores): its
+    exit status and what its JSON line reports."""
     with tempfile.TemporaryDirectory() as folder:
         env = data_cache(folder)
         rows = []
-        for command in QUICKSTART:
-            status, last = last_line([python, *command.split()], env)
-            rows.append([f"`python {command}`", status, f"`{last}`"])
+        for command, keys in QUICKSTART.items():
+            status, last, result = last_line([python, *command.split()], env)
+            reports = ", ".join(f"{key} {cell(result[key])}" for key in keys) if result else f"`{last}`"
+            rows.append([f"`python {command}`", status, reports])
             print(rows[-1], flush=True)
     return rows
 
@@ -273,7 +277,7 @@ def main():
         check_committed()
     if args.quickstart:
         write_result("quickstart", {"The quick start on two CPU cores": {
-            "columns": ["command", "exit status", "its last line before the JSON line"], "rows": quickstart()}})
+            "columns": ["command", "exit status", "its JSON line reports"], "rows": quickstart()}})
     if args.defaults:
         write_result("defaults", {"Default runs on two CPU cores": {
             "columns": ["command", "what it runs", "first download", "measured: median (smallest–largest) of 3",
@@ -285,8 +289,8 @@ def main():
             with tempfile.TemporaryDirectory() as folder:
                 python = fresh_venv(spec, Path(folder, "venv"))
                 python_version, torch_version, numpy_version = versions(python)
-                status, last = last_line([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                                          "bad_input or help_lists or bad_data or corrupt"])
+                status, last, _ = last_line([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                                             "bad_input or help_lists or bad_data or corrupt"])
                 runs = quickstart(python)
             last = re.sub(r" in [\d.]+s( \(.*\))?$", "", last)  # pytest's time: a figure of its own
             rows.append([python_version, torch_version, numpy_version,

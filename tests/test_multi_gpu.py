@@ -66,8 +66,9 @@ def final_params(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    """A run that learns (TINY) on two processes with the default allreduce, its checkpoint and its plot."""
-    folder = tmp_path_factory.mktemp("two")
+    """A run that learns (TINY) on two processes with the default allreduce, its checkpoint and its plot (in a folder
+    whose name has a space and a non-ASCII letter, as users name theirs)."""
+    folder = tmp_path_factory.mktemp("two") / "my run é"
     proc = multi_gpu_run(CPU, TINY, procs=2, checkpoint_dir=folder, plot=folder / "curve.png")
     assert proc.returncode == 0, proc.stderr
     return {"result": last_json(proc.stdout), "params": final_params(folder), "dir": folder, "stdout": proc.stdout}

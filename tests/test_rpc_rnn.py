@@ -53,9 +53,11 @@ TRAIN = ["--epochs", "2", "--max-batches", "20", "--log-interval", "10", *SMALL]
 
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory):
-    """The first lines of WikiText-2's train/valid/test.txt (vocabulary of a few thousand words)."""
+    """The first lines of WikiText-2's train/valid/test.txt (vocabulary of a few thousand words), in a folder whose
+    name has a space and a non-ASCII letter, as users name theirs."""
     source = data_folder("wikitext-2")
-    folder = tmp_path_factory.mktemp("wikitext-slice")
+    folder = tmp_path_factory.mktemp("wikitext-slice") / "my text é"
+    folder.mkdir()
     for name, lines in (("train.txt", 300), ("valid.txt", 40), ("test.txt", 40)):
         with open(source / name, encoding="utf-8") as handle:
             (folder / name).write_text("".join(line for _, line in zip(range(lines), handle)), encoding="utf-8")
