@@ -533,17 +533,18 @@ def figures(p, rows, folder):
             top.plot(ks[1:], [t * 1e3 for t in p["allreduce"][link, name][1:]], label=label)
             bottom.plot(ks, p["epoch"][link, name], label=label)
         top.plot(ks[1:], [t * 1e3 for t in p["device_step"][1:]], color="gray", label="a device's step")
-        top.set_title(f"{link}: allreduce of LeNet's gradient")
+        top.set(title=f"{link}: allreduce of LeNet's gradient", xlabel="devices k")
         bottom.set(title=f"{link}: epoch, global batch 256", xlabel="devices k")
-        ticked(top, "ms")
-        ticked(bottom, "s")
+        ticked(top, "time (ms)")
+        ticked(bottom, "time per epoch (s)")
     figure.tight_layout()
     common.save_figure(figure, Path(folder, "scaling_multi_gpu.png"))
     figure = Figure(figsize=(6.5, 4.5))
     axes = figure.subplots()
     for envs in PREDICTED_ENVS:
         line, = axes.plot(range(1, 65), p["rpc", envs], label=f"K = {envs}, model")
-        axes.axhline(p["ceiling", envs], color=line.get_color(), linestyle=":", linewidth=1)
+        axes.axhline(p["ceiling", envs], color=line.get_color(), linestyle=":", linewidth=1,
+                     label=f"K = {envs}, the model's ceiling")
         measured = [row for row in rows if row["series"] == "agent step" and row["envs"] == envs]
         axes.plot([row["observers"] for row in measured], [row["observers"] * envs / row["seconds"] for row in
                                                             measured], "o", color=line.get_color(),
