@@ -103,7 +103,7 @@ def part_allreduce(args):
         f"3 epochs a run, each run's median epoch; {args.rounds} rounds: median (smallest–largest)."
 
 
-def part_exercises(args, counts=(1, 2, 4), grid=(0.05, 0.1, 0.2, 0.4, 0.8), seeds=(0, 1, 2), per_device=64,
+def part_exercises(args, counts=(1, 2, 4), grid=(0.1, 0.2, 0.4, 0.8), seeds=(0, 1, 2), per_device=64,
                    epochs=10):
     configurations = [(f"lr {lr:g}", k, lr, []) for k in counts for lr in grid]
     configurations += [("0.1 k, warm-up", k, 0.1, ["--lr-scaling", "linear", "--lr-base-batch", per_device,
@@ -112,8 +112,8 @@ def part_exercises(args, counts=(1, 2, 4), grid=(0.05, 0.1, 0.2, 0.4, 0.8), seed
     for seed in seeds:  # every configuration once per seed: a change in the machine's load hits all alike
         for name, k, lr, extra in configurations:
             result, _ = run_script(["multi_gpu.py", "--gpus", 0, "--procs", k, "--batch-per-device", per_device,
-                                    "--lr", lr, "--seed", seed, "--limit-train", 24_000, "--epochs", epochs, *extra,
-                                    *data_flags()], timeout=3600)
+                                    "--lr", lr, "--seed", seed, "--limit-train", 24_000, "--epochs", epochs,
+                                    "--timeout", 600, *extra, *data_flags()], timeout=3600)
             accuracy.setdefault((name, k), []).append(result["test_acc"])
             print(f"{name} k={k} seed {seed}: test acc {result['test_acc']:.4f}", flush=True)
     plot_exercises(counts, grid, accuracy, per_device, epochs)
