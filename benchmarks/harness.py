@@ -216,8 +216,8 @@ def quickstart(python=sys.executable):
 
 def defaults(rounds=3):
     """How long each script's default run takes, from `rounds` interleaved runs: multi_gpu.py's seconds per epoch of
-    2 epochs, times its 10; rpc_rl.py's whole run, until solved, on seeds 1, 2, 3...; rpc_rnn.py's tokens/s over 100
-    batches, into its 40 epochs of WikiText-2's training text (validation and test left out)."""
+    2 epochs, times its 10; rpc_rnn.py's tokens/s over 100 batches, into its 40 epochs of WikiText-2's training text
+    (validation and test left out). rpc_rl.py's default run is bench_rpc_rl.py's "default" variant."""
     sys.path.insert(0, str(REPO))
     import common
     import rpc_rnn
@@ -228,18 +228,17 @@ def defaults(rounds=3):
                                    ("WikiText-2", wikitext, rpc_rnn.WIKITEXT2_FILES))}
     corpus = rpc_rnn.Corpus(wikitext)
     epoch_tokens = len(corpus.train) // 20 * 20 - 20  # --batch-size 20: the targets of an epoch's windows
-    measured = {"multi_gpu": [], "rpc_rl": [], "rpc_rnn": []}
-    for seed in range(1, rounds + 1):
+    measured = {"multi_gpu": [], "rpc_rnn": []}
+    for _ in range(rounds):
         measured["multi_gpu"].append(run_script(["multi_gpu.py", "--epochs", 2, *data_flags()], 3600)[0]["s_per_epoch"])
-        measured["rpc_rl"].append(run_script(["rpc_rl.py", "--seed", seed], 3600)[1])
         measured["rpc_rnn"].append(run_script(["rpc_rnn.py", "--epochs", 1, "--max-batches", 100, *data_flags()],
                                               3600)[0]["tokens_per_s"])
         print({name: values[-1] for name, values in measured.items()}, flush=True)
-    epoch, run, tokens = (statistics.median(measured[name]) for name in measured)
+    epoch, tokens = (statistics.median(measured[name]) for name in measured)
     return [["`python multi_gpu.py`", "10 epochs, 2 CPU processes", megabytes["Fashion-MNIST"],
              f"{spread(measured['multi_gpu'])} s/epoch", f"{10 * epoch / 60:.0f} min, estimated (10 epochs)"],
-            ["`python rpc_rl.py`", "until solved, 1 observer", "none", f"{spread(measured['rpc_rl'])} s (seeds 1 to "
-             f"{rounds})", f"{run / 60:.1f} min, measured (the median)"],
+            ["`python rpc_rl.py`", "until solved, 1 observer", "none", "–",
+             "the default variant of [rpc_rl.md's table](docs/rpc_rl.md#results)"],
             ["`python rpc_rnn.py`", "40 epochs of WikiText-2", megabytes["WikiText-2"],
              f"{spread(measured['rpc_rnn'])} tokens/s", f"{40 * epoch_tokens / tokens / 3600:.0f} h, estimated "
                                                          f"(training only)"],
