@@ -117,8 +117,8 @@ def part_exercises(budget=75, seeds=(0, 1, 2)):
              cell([r["best_validation_error"] for r in results], 4)] for variant, results in runs.items()]
     return {f"The exercises: DropoutMLP, {budget} s a search": {
         "columns": ["search", "trials completed", "best validation error"], "rows": rows}}, \
-        f"Seeds {', '.join(map(str, seeds))}: the mean (smallest–largest); validation on 10,000 training images held " \
-        f"out; one CPU thread a trial, on 2 cores."
+        f"Seeds {', '.join(map(str, seeds))}: the mean (smallest–largest); validation on 10,000 training images " \
+        f"held out; one CPU thread a trial."
 
 
 def plot_exercises(curves, budget):
