@@ -36,6 +36,7 @@ import io
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -514,7 +515,9 @@ def connect_to_ray(address, entry_point):
     HOST:PORT is tried with a TCP connection first: nothing answering is one line at once, where ray.init would keep
     retrying. The trials' code travels with the job: Ray's runtime_env working_dir, the entry point's folder with
     everything excluded but the entry point and common.py (never the project's data or its .venv), uploaded once, is
-    the working folder of every trial task on every node."""
+    the working folder of every trial task on every node. SIGTERM then goes to Ray's own handler (sys.exit, so the
+    search ends gracefully) without the crash reporter Ray's C++ core puts before it, which dumps a stack and aborts
+    the driver when that end takes over 3 s (ray-project/ray#37288)."""
     target = (os.environ.get("RAY_ADDRESS") or address) if address == "auto" else address
     fix = "start one with `ray start --head`, or fix the address"
     if target != "auto":
@@ -529,6 +532,7 @@ def connect_to_ray(address, entry_point):
             "[!.]*", ".?*", f"!/{entry_point.name}", "!/common.py"]}, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as error:  # no cluster, a token that differs
         raise common.UsageError(f"--ray-address {address}: {common.brief(error)}; {fix}") from None
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))  # Python's hook back in place of the reporter
     return [(int(node["Resources"].get("CPU", 0)), int(node["Resources"].get("GPU", 0)))
             for node in ray.nodes() if node["Alive"]]
 
