@@ -514,12 +514,13 @@ def tables(c, rows, summary, p, gpu_step_ms, settings):
 
 def figures(p, rows, folder):
     """The predictions for NVLink and Ethernet (ring and builtin are one line there: NCCL's builtin is modelled as the
-    ring), and rpc_rl's steps/s, model and measured; every axis ticked at the counts of the tables."""
+    ring), and rpc_rl's steps/s, model and measured; every axis ticked at the counts of the tables; the epochs' times
+    (a narrow range) on a linear axis from 0, the others on log axes."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullLocator
 
-    def ticked(axes, ylabel):
-        axes.set(xscale="log", yscale="log", ylabel=ylabel)
+    def ticked(axes, ylabel, yscale="log"):
+        axes.set(xscale="log", yscale=yscale, ylabel=ylabel)
         axes.set_xticks(COUNTS, [str(k) for k in COUNTS])
         axes.xaxis.set_minor_locator(NullLocator())
         axes.grid(alpha=0.3)
@@ -536,7 +537,8 @@ def figures(p, rows, folder):
         top.set(title=f"{link}: allreduce of LeNet's gradient", xlabel="devices k")
         bottom.set(title=f"{link}: epoch, global batch 256", xlabel="devices k")
         ticked(top, "time (ms)")
-        ticked(bottom, "time per epoch (s)")
+        ticked(bottom, "time per epoch (s)", "linear")
+        bottom.set_ylim(bottom=0)
     figure.tight_layout()
     common.save_figure(figure, Path(folder, "scaling_multi_gpu.png"))
     figure = Figure(figsize=(6.5, 4.5))
