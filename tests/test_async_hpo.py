@@ -657,13 +657,15 @@ def test_a_killed_tuner_takes_its_trials_with_it(tmp_path, data_dir_args):
 
 
 def test_results_that_cannot_be_written_end_the_run_and_keep_what_was_written(tmp_path, data_dir_args):
-    """The disk fills up mid-search (a file-size limit of 1 kB on the tuner): the tuner ends with Python's error, exit
-    status 1, no trial left, and results.csv.zip as last written loads, with no partial file beside it."""
+    """The disk fills up mid-search (a file-size limit on the tuner of the results file's size, which the file's next
+    write, with more rows, exceeds; a fixed limit would let a few rows more still fit, zipped, in a slow run): the
+    tuner ends with Python's error, exit status 1, no trial left, and results.csv.zip as last written loads, with no
+    partial file beside it."""
     proc = start_search(*data_dir_args, *QUICK, "--max-epochs", "1", "--results-dir", tmp_path)
     try:
         results = wait_for(lambda: next(tmp_path.glob("*/results.csv.zip"), None), 120, "the first results")
-        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (1000, 1000))
         written = results.read_bytes()
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (len(written), len(written)))
     finally:
         code, out, err = finish(proc, 120)
     assert code == 1 and err.strip().splitlines()[-1] == "OSError: [Errno 27] File too large", err
