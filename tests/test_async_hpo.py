@@ -875,7 +875,10 @@ class LoopbackRayCluster:
                     "RAY_USAGE_STATS_ENABLED": "0",
                     # a dead node is noticed within seconds; a slow start on a loaded machine is not fatal
                     "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
-                    "RAY_agent_register_timeout_ms": "120000"}
+                    "RAY_agent_register_timeout_ms": "120000",
+                    # Ray runs its workers, so the trials, at nice 15: beside the other tests (CI runs two at once)
+                    # a trial could wait a minute for its first report, and a budget of 20 s cut it off unreported
+                    "RAY_worker_niceness": "0"}
         self.head = self.worker = None
 
     def in_namespace(self, *command):
